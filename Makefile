@@ -1,0 +1,33 @@
+# The two commands: `make run` (set up, start everything, run the default RL run) and
+# `make test` (lint + the whole suite). Everything else here serves those two.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+SEED   ?= 0
+STEPS  ?= 0
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: run test lint typecheck pytest venv clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+run: venv
+	$(BIN)/rlboost up --seed $(SEED) --steps $(STEPS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy shared manager_svc trainer_svc rollout_svc weight_svc rlboost
+
+pytest: venv
+	$(BIN)/pytest -q -p no:cacheprovider
+
+test: lint pytest
+
+clean:
+	rm -rf .rlboost .mypy_cache .ruff_cache

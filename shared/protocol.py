@@ -1,0 +1,226 @@
+"""The wire protocol: every message that crosses NATS, and the one codec that moves it.
+
+Contract: a message is a ``msgspec.Struct`` declared here and nowhere else; it goes on the wire
+with :func:`encode` and comes off with :func:`decode`, which validates types while parsing and
+raises :class:`ProtocolError` for anything malformed (the caller counts and drops it). JSON via
+msgspec rather than orjson + a separate validator: one pass both parses and type-checks, so a
+malformed message can never reach service logic half-validated. Tensors never ride the bus;
+only token ids and metadata do. Subjects are built by :mod:`shared.names`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal, TypeVar
+
+import msgspec
+
+from shared.errors import ProtocolError
+
+InstanceKind = Literal["reserved", "spot"]
+InstanceState = Literal["starting", "loading", "ready", "draining"]
+FinishReason = Literal["stop", "length"]
+
+
+class Msg(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every bus message; the tag names the type on the wire."""
+
+
+# --- rollout instance <-> manager -------------------------------------------------------------
+
+
+class Held(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    request_id: str  # which response the instance is working on
+    epoch: int  # lease epoch (fencing token) it was assigned under
+
+
+class Heartbeat(Msg):
+    instance_id: str  # stable name of the instance
+    kind: InstanceKind  # reserved machines seed; spot ones come and go
+    engine: str  # torch | sglang | emu
+    state: InstanceState  # only "ready" instances get work
+    run_id: str | None = None  # weight namespace of the loaded version
+    weight_version: int | None = None  # version currently loaded in the engine
+    held: list[Held] = []  # responses in flight; their leases are renewed by this beat
+    capacity: int = 1  # responses it can generate concurrently
+    pid: int = 0  # for operators and fault tests
+
+
+class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    run_id: str  # weight namespace
+    weight_version: int  # the version the current step must be generated with
+
+
+class HeartbeatReply(Msg):
+    target: Target | None = None  # the version to load now, if any
+    revoke: list[str] = []  # request ids the instance must stop generating (lease lost)
+
+
+class Assignment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    request_id: str  # "{run}:{step}:{prompt}:{sample}"
+    run_id: str
+    step: int
+    prompt_index: int
+    sample_index: int
+    weight_version: int  # must equal the instance's loaded version
+    epoch: int  # fencing token to stamp on every chunk
+    prompt_token_ids: list[int]
+    committed_token_ids: list[int]  # tokens already committed: resume after them (migration)
+    max_new_tokens: int  # total response budget, committed tokens included
+    temperature: float
+    seed: int  # run seed; sampling is keyed by (seed, step, prompt, sample, position)
+    eos_token_id: int
+
+
+class Assign(Msg):
+    items: list[Assignment]
+
+
+class Release(Msg):
+    instance_id: str
+    held: list[Held]  # responses handed back (preemption notice or clean exit)
+    leaving: bool = True  # the instance deregisters after this
+    reason: Literal["preempt", "shutdown", "abort"] = "shutdown"
+
+
+class TokenChunk(Msg):
+    request_id: str
+    instance_id: str
+    epoch: int  # rejected unless equal to the current lease epoch
+    weight_version: int  # rejected unless equal to the step's version
+    offset: int  # position of token_ids[0] in the response; must be the next uncommitted one
+    token_ids: list[int]
+    final: bool = False  # the response ends with this chunk
+    finish_reason: FinishReason | None = None
+
+
+# --- trainer <-> manager ----------------------------------------------------------------------
+
+
+class TrainerPoll(Msg):
+    trainer_id: str
+
+
+class ActiveRun(Msg):
+    run_id: str | None = None  # None: nothing to do
+    spec: dict[str, object] = {}  # the validated run spec
+    step: int = 0  # next step to run (== weight version it uses)
+    state: str = "queued"
+
+
+class StepStart(Msg):
+    run_id: str
+    step: int
+    weight_version: int
+    prompt_token_ids: list[list[int]]  # one per prompt; each is sampled samples_per_prompt times
+    eos_token_id: int
+
+
+class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    weight_version: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    finish_reason: str
+    instances: list[str]  # instances that contributed tokens, in order
+    reward: float | None = None  # filled in from the trainer's step report
+
+
+class Digest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    responses: int
+    tokens: int
+    sha256: str
+
+
+class GroupDone(Msg):
+    run_id: str
+    step: int
+    prompt_index: int
+    samples: list[Sample]
+
+
+class StepSamplesQuery(Msg):
+    run_id: str
+    step: int
+
+
+class StepSamples(Msg):
+    run_id: str
+    step: int
+    complete: bool  # True once the barrier for the step has been reached
+    samples: list[Sample] = []  # completed samples (all of them once complete)
+    digest: Digest | None = None
+
+
+class Barrier(Msg):
+    run_id: str
+    step: int
+    digest: Digest
+
+
+class SampleReward(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    prompt_index: int
+    sample_index: int
+    reward: float
+
+
+class StepFinish(Msg):
+    run_id: str
+    step: int
+    new_version: int  # version published after the optimizer step
+    digest: Digest  # what the trainer trained on; must equal the barrier's
+    rewards: list[SampleReward]
+    loss: float
+    train_s: float
+    trainer_idle_s: float = 0.0
+
+
+class RunFailed(Msg):
+    run_id: str
+    error: str
+
+
+class Ack(Msg):
+    ok: bool = True
+    detail: str = ""
+
+
+class WeightsAnnounce(Msg):
+    run_id: str
+    weight_version: int
+
+
+# --- codec -----------------------------------------------------------------------------------
+
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, kind: type[T]) -> T:
+    """Parse and validate ``data`` as ``kind``; anything else is a :class:`ProtocolError`."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(kind.__name__, str(exc)) from exc
+
+
+def sample_digest(samples: list[Sample]) -> Digest:
+    """Digest of a step's training data: order-independent, over ids and tokens only.
+
+    Both the manager (at the barrier) and the trainer (over what it trained on) compute it with
+    this one function, so equality means the same responses, each once, with the same tokens.
+    """
+    h = hashlib.sha256()
+    tokens = 0
+    for s in sorted(samples, key=lambda s: (s.prompt_index, s.sample_index)):
+        tokens += len(s.response_token_ids)
+        h.update(f"{s.prompt_index}:{s.sample_index}:{s.weight_version}|".encode())
+        h.update(",".join(map(str, s.prompt_token_ids)).encode() + b"|")
+        h.update(",".join(map(str, s.response_token_ids)).encode() + b";")
+    return Digest(responses=len(samples), tokens=tokens, sha256=h.hexdigest())
