@@ -1,0 +1,1 @@
+"""The weight service: a versioned, chunked, checksummed checkpoint store (see app.py)."""

@@ -1,0 +1,80 @@
+"""``python -m weight_svc``: read WeightsConfig from the environment, log it once, serve.
+
+The service listens on the port of RLBOOST_WEIGHTS_URL (default 8001). It binds the URL's host
+when that is an IP address (a loopback URL must not expose the store to the network) and all
+interfaces when it is a DNS name, which in a container or cluster names this machine from outside.
+SIGTERM and SIGINT stop it gracefully: uvicorn stops accepting, drains requests for a bounded
+time, then the lifespan closes the NATS connection.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+from types import FrameType
+from urllib.parse import urlparse
+
+import uvicorn
+
+from shared.config import WeightsConfig, url_port
+from weight_svc.app import create_app
+from weight_svc.store import StoreLimits
+
+log = logging.getLogger("weight_svc")
+
+DEFAULT_PORT = 8001
+GRACEFUL_SHUTDOWN_S = 10  # long downloads are cut after this; clients resume by range
+
+
+def bind_host(url: str) -> str:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return "0.0.0.0"
+
+
+def main() -> None:
+    cfg = WeightsConfig.from_env()
+    limits = StoreLimits.from_env()
+    logging.basicConfig(
+        level=cfg.common.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    host, port = bind_host(cfg.common.weights_url), url_port(cfg.common.weights_url, DEFAULT_PORT)
+    log.info(
+        "weight service config: %s keep_last=%d token=%s chunk_bytes=%d max_file_bytes=%d "
+        "listen=%s:%d",
+        cfg.common.describe(),
+        cfg.keep_last,
+        "***" if cfg.token else None,
+        limits.chunk_bytes,
+        limits.max_file_bytes,
+        host,
+        port,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(cfg, limits),
+            host=host,
+            port=port,
+            log_config=None,  # keep the root logging set up above
+            access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then re-raises the signal under the
+    # handlers it found; with this one in place a graceful stop exits 0 rather than -SIGTERM.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    server.run()
+    log.info("weight service stopped")
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+if __name__ == "__main__":
+    main()

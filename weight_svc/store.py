@@ -1,0 +1,297 @@
+"""The on-disk checkpoint store: the only code that touches the weight files.
+
+Layout under ``<RLBOOST_DATA_DIR>/weights``::
+
+    <run_id>/<version>/manifest.json + files    a published version, complete by construction
+    <run_id>/.staging-<version>/<name>          uploaded files waiting for the commit
+    <run_id>/.staging-<version>/.up-<name>-<x>  a file still being received (never committed)
+    <run_id>/.pins/<version>                    a pin: the version is never collected
+    <run_id>/.trash-<version>-<x>               a version being collected (invisible already)
+
+Contract: every run id, version and file name is validated before it becomes part of a path
+(the patterns forbid '/', '..' and leading dots, so nothing escapes the run directory). A version
+becomes visible by one directory rename after its files and manifest are fsynced: readers see a
+whole version or none. It disappears by one rename too. Methods block (file I/O, hashing); the app
+runs them in worker threads and serializes commits and collection per run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ConfigError, WeightsError
+from shared.weights_client import (
+    MANIFEST_NAME,
+    MAX_VERSION,
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    valid_name,
+    valid_run_id,
+)
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_MAX_FILE_BYTES = 8 << 30
+
+
+class StoreError(WeightsError):
+    """A request the store refuses; ``status`` is the HTTP status the app answers with."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail, retryable=False)
+        self.status = status
+        self.detail = detail
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(name, f"expected an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(name, f"must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """Knobs the shared WeightsConfig does not carry; read from the same environment."""
+
+    # RLBOOST_WEIGHTS_CHUNK_BYTES: the unit of download, verification and resume
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # RLBOOST_WEIGHTS_MAX_FILE_BYTES: a larger upload is refused with 413
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> StoreLimits:
+        env = os.environ if env is None else env
+        return cls(
+            chunk_bytes=_env_int(env, "RLBOOST_WEIGHTS_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, 1),
+            max_file_bytes=_env_int(
+                env, "RLBOOST_WEIGHTS_MAX_FILE_BYTES", DEFAULT_MAX_FILE_BYTES, 1
+            ),
+        )
+
+
+def check_ids(run_id: str, version: int | None = None, name: str | None = None) -> None:
+    if not valid_run_id(run_id):
+        raise StoreError(422, f"invalid run id {run_id[:80]!r}: [A-Za-z0-9_-]{{1,64}}")
+    if version is not None and not 0 <= version <= MAX_VERSION:
+        raise StoreError(422, f"invalid version {version}: 0..{MAX_VERSION}")
+    if name is not None and not valid_name(name):
+        raise StoreError(
+            422, f"invalid file name {name[:80]!r}: [A-Za-z0-9._-]{{1,128}}, no leading '.'"
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Upload:
+    """One file being received: bytes go to a private temp name, renamed into place at the end,
+    so a cut-off upload can never be committed."""
+
+    def __init__(self, staging: Path, name: str, max_bytes: int) -> None:
+        staging.mkdir(parents=True, exist_ok=True)
+        self.target = staging / name
+        self.tmp = staging / f".up-{name}-{uuid.uuid4().hex[:8]}"
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._f = self.tmp.open("wb")
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self.max_bytes:
+            raise StoreError(413, f"{self.target.name}: larger than {self.max_bytes} bytes")
+        self._f.write(data)
+
+    def finish(self) -> None:
+        self._f.close()
+        try:
+            os.replace(self.tmp, self.target)
+        except FileNotFoundError:  # the staging directory was committed under our feet
+            raise StoreError(409, f"{self.target.name}: version committed during upload") from None
+
+    def abort(self) -> None:
+        self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class Store:
+    def __init__(self, data_dir: Path, limits: StoreLimits) -> None:
+        self.root = data_dir / "weights"
+        self.limits = limits
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # --- paths (only ever built from validated parts) ----------------------------------------
+
+    def _run(self, run_id: str) -> Path:
+        return self.root / run_id
+
+    def _version(self, run_id: str, version: int) -> Path:
+        return self._run(run_id) / str(version)
+
+    def _staging(self, run_id: str, version: int) -> Path:
+        return self._run(run_id) / f".staging-{version}"
+
+    def _pin(self, run_id: str, version: int) -> Path:
+        return self._run(run_id) / ".pins" / str(version)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def runs(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if valid_run_id(p.name) and p.is_dir())
+
+    def versions(self, run_id: str) -> list[int]:
+        check_ids(run_id)
+        run = self._run(run_id)
+        if not run.is_dir():
+            return []
+        found = []
+        for p in run.iterdir():
+            if p.name.isdigit() and (p / MANIFEST_NAME).is_file():
+                found.append(int(p.name))
+        return sorted(found)
+
+    def manifest(self, run_id: str, version: int) -> Manifest:
+        check_ids(run_id, version)
+        try:
+            text = (self._version(run_id, version) / MANIFEST_NAME).read_text()
+        except FileNotFoundError:
+            raise StoreError(404, f"version {run_id}/{version} is not published") from None
+        manifest: Manifest = json.loads(text)
+        return manifest
+
+    def latest(self, run_id: str) -> Manifest:
+        versions = self.versions(run_id)
+        if not versions:
+            raise StoreError(404, f"run {run_id} has no published version")
+        return self.manifest(run_id, versions[-1])
+
+    def file_path(self, run_id: str, version: int, name: str) -> Path:
+        check_ids(run_id, version, name)
+        path = self._version(run_id, version) / name
+        if not (self._version(run_id, version) / MANIFEST_NAME).is_file():
+            raise StoreError(404, f"version {run_id}/{version} is not published")
+        if not path.is_file():
+            raise StoreError(404, f"version {run_id}/{version} has no file {name!r}")
+        return path
+
+    def pins(self, run_id: str) -> list[int]:
+        pins = self._run(run_id) / ".pins"
+        if not pins.is_dir():
+            return []
+        return sorted(int(p.name) for p in pins.iterdir() if p.name.isdigit())
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def open_upload(self, run_id: str, version: int, name: str) -> Upload:
+        check_ids(run_id, version, name)
+        return Upload(self._staging(run_id, version), name, self.limits.max_file_bytes)
+
+    def _describe(self, path: Path) -> FileEntry:
+        """Hash a file chunk by chunk and fsync it: the manifest then vouches for bytes on disk."""
+        whole = hashlib.sha256()
+        chunks: list[ChunkEntry] = []
+        offset = 0
+        with path.open("rb") as f:
+            while block := f.read(self.limits.chunk_bytes):
+                whole.update(block)
+                digest = hashlib.sha256(block).hexdigest()
+                chunks.append({"offset": offset, "size": len(block), "sha256": digest})
+                offset += len(block)
+            os.fsync(f.fileno())
+        return {"name": path.name, "size": offset, "sha256": whole.hexdigest(), "chunks": chunks}
+
+    def commit(self, run_id: str, version: int) -> tuple[Manifest, bool]:
+        """Publish the staged files; returns (manifest, whether this call published it)."""
+        check_ids(run_id, version)
+        staging, final = self._staging(run_id, version), self._version(run_id, version)
+        staged = []
+        if staging.is_dir():
+            staged = sorted(p for p in staging.iterdir() if valid_name(p.name) and p.is_file())
+        published = (final / MANIFEST_NAME).is_file()
+        if not staged:
+            if published:  # a retried commit whose first answer was lost
+                return self.manifest(run_id, version), False
+            raise StoreError(409, f"nothing staged for {run_id}/{version}: upload files first")
+        manifest: Manifest = {
+            "run_id": run_id,
+            "version": version,
+            "chunk_bytes": self.limits.chunk_bytes,
+            "files": [self._describe(p) for p in staged],
+        }
+        if published:
+            existing = self.manifest(run_id, version)
+            same = [(f["name"], f["sha256"]) for f in existing["files"]] == [
+                (f["name"], f["sha256"]) for f in manifest["files"]
+            ]
+            if not same:
+                raise StoreError(409, f"{run_id}/{version} is published with different content")
+            shutil.rmtree(staging, ignore_errors=True)
+            return existing, False
+        for p in staging.iterdir():
+            if not valid_name(p.name):  # cut-off uploads: never part of a version
+                p.unlink(missing_ok=True)
+        tmp = staging / f".{MANIFEST_NAME}"
+        with tmp.open("w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, staging / MANIFEST_NAME)
+        _fsync_dir(staging)
+        os.rename(staging, final)  # the atomic publish
+        _fsync_dir(final.parent)
+        return manifest, True
+
+    def pin(self, run_id: str, version: int) -> None:
+        self.manifest(run_id, version)  # only a published version can be pinned
+        path = self._pin(run_id, version)
+        path.parent.mkdir(exist_ok=True)
+        path.touch()
+        _fsync_dir(path.parent)
+
+    def unpin(self, run_id: str, version: int) -> None:
+        check_ids(run_id, version)
+        self._pin(run_id, version).unlink(missing_ok=True)
+
+    def collect(self, run_id: str, keep_last: int, protect: int | None = None) -> list[int]:
+        """Remove all but the newest ``keep_last`` versions, sparing pinned ones and ``protect``
+        (a just-committed older version must not vanish before its committer sees it)."""
+        versions = self.versions(run_id)
+        keep = set(versions[-keep_last:]) | set(self.pins(run_id))
+        if protect is not None:
+            keep.add(protect)
+        gone = [v for v in versions if v not in keep]
+        for v in gone:
+            trash = self._run(run_id) / f".trash-{v}-{uuid.uuid4().hex[:8]}"
+            os.rename(self._version(run_id, v), trash)  # invisible at once, then deleted
+            shutil.rmtree(trash, ignore_errors=True)
+        return gone
+
+    def sweep(self) -> None:
+        """At start-up: finish interrupted collections and drop cut-off uploads (none can be
+        in flight before the server accepts requests)."""
+        for run in self.runs():
+            for p in self._run(run).iterdir():
+                if p.name.startswith(".trash-"):
+                    shutil.rmtree(p, ignore_errors=True)
+                elif p.name.startswith(".staging-") and p.is_dir():
+                    for f in p.iterdir():
+                        if f.name.startswith(".up-"):
+                            f.unlink(missing_ok=True)
