@@ -1,0 +1,27 @@
+"""``python -m manager_svc``: read config, set up logging, serve REST + bus until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import urlparse
+
+import uvicorn
+
+from manager_svc.app import create_app
+from manager_svc.service import ManagerService
+from shared.config import ManagerConfig, url_port
+from shared.logs import setup_logging
+
+
+def main() -> None:
+    cfg = ManagerConfig.from_env()
+    setup_logging(cfg.common.log_level, "manager")
+    host = urlparse(cfg.common.manager_url).hostname or "127.0.0.1"
+    bind = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
+    app = create_app(ManagerService(cfg))
+    uvicorn.run(app, host=bind, port=url_port(cfg.common.manager_url, 8000),
+                log_level=logging.getLevelName(logging.WARNING).lower(), access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Prometheus metrics of the manager, on a registry owned by the service (no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ManagerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.chunks = Counter(
+            "rlboost_chunks_total", "Token chunks received, by commit outcome", ["result"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "rlboost_tokens_committed_total", "Tokens committed exactly once",
+            registry=self.registry,
+        )
+        self.malformed = Counter(
+            "rlboost_malformed_messages_total", "Bus messages dropped because they do not parse",
+            ["subject"], registry=self.registry,
+        )
+        self.assignments = Counter(
+            "rlboost_assignments_total", "Responses leased to an instance", registry=self.registry,
+        )
+        self.revocations = Counter(
+            "rlboost_lease_revocations_total", "Leases taken back, by reason", ["reason"],
+            registry=self.registry,
+        )
+        self.instances = Gauge(
+            "rlboost_instances_alive", "Rollout instances with a live heartbeat", ["kind"],
+            registry=self.registry,
+        )
+        self.steps = Counter(
+            "rlboost_steps_finished_total", "Training steps finished", registry=self.registry,
+        )
+        self.step_seconds = Histogram(
+            "rlboost_step_seconds", "Wall time of a training step",
+            buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600), registry=self.registry,
+        )
+        self.handler_errors = Counter(
+            "rlboost_handler_errors_total", "Bus handler failures (logged, not fatal)",
+            ["subject"], registry=self.registry,
+        )

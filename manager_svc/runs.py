@@ -1,0 +1,124 @@
+"""Runs: the spec users submit, and their lifecycle in Redis.
+
+Contract: a run is created ``queued``, becomes ``running`` when the manager activates it (one at
+a time, FIFO), and ends ``succeeded``, ``failed`` or ``cancelled``. Its record, its finished
+steps and the samples each step trained on are Redis data, so a restarted manager serves them
+unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.names import Keys
+
+RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class SeedingSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: Literal["adaptive", "fixed", "off"] = "off"
+    window_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+
+
+class RunSpec(BaseModel):
+    """Body of ``POST /v1/runs``; every field has a default, unknown fields are rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str = Field(default="tiny", min_length=1, max_length=4096)
+    task: Literal["arith-seq"] = "arith-seq"
+    algorithm: Literal["grpo"] = "grpo"
+    steps: int = Field(default=25, ge=1, le=100_000)
+    prompts_per_step: int = Field(default=8, ge=1, le=4096)
+    samples_per_prompt: int = Field(default=8, ge=1, le=512)
+    max_new_tokens: int = Field(default=8, ge=1, le=32768)
+    learning_rate: float = Field(default=3e-3, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    seed: int = Field(default=0, ge=0, le=2**62)
+    seeding: SeedingSpec = Field(default_factory=SeedingSpec)
+
+
+class RunStore:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.r = redis
+
+    async def create(self, spec: RunSpec) -> dict[str, Any]:
+        run_id = "run-" + uuid.uuid4().hex[:12]
+        now = time.time()
+        record = {"id": run_id, "state": "queued", "step": 0, "steps": spec.steps,
+                  "spec": spec.model_dump_json(), "created_at": now, "updated_at": now,
+                  "error": ""}
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(Keys.run(run_id), mapping=record)
+        pipe.zadd(Keys.runs, {run_id: now})
+        pipe.rpush(Keys.queue, run_id)
+        await pipe.execute()
+        return await self.get(run_id) or {}
+
+    async def get(self, run_id: str) -> dict[str, Any] | None:
+        raw = await self.r.hgetall(Keys.run(run_id))
+        if not raw:
+            return None
+        return {
+            "id": raw["id"], "state": raw["state"], "step": int(raw["step"]),
+            "steps": int(raw["steps"]), "spec": json.loads(raw["spec"]),
+            "created_at": float(raw["created_at"]), "updated_at": float(raw["updated_at"]),
+            "error": raw.get("error") or None,
+        }
+
+    async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
+        ids = await self.r.zrevrange(Keys.runs, 0, limit - 1)
+        runs = [await self.get(i) for i in ids]
+        return [r for r in runs if r]
+
+    async def set_state(self, run_id: str, state: RunState, error: str = "") -> None:
+        await self.r.hset(Keys.run(run_id), mapping={"state": state, "updated_at": time.time(),
+                                                     "error": error})
+
+    async def active(self) -> str | None:
+        """The running run, activating the next queued one if none is running."""
+        current = await self.r.get(Keys.active)
+        if current:
+            state = await self.r.hget(Keys.run(current), "state")
+            if state == "running":
+                return str(current)
+            await self.r.delete(Keys.active)
+        while True:
+            nxt = await self.r.lpop(Keys.queue)
+            if not nxt:
+                return None
+            if await self.r.hget(Keys.run(nxt), "state") != "queued":
+                continue  # cancelled while queued
+            # SET NX: two managers (or a restart race) cannot both activate a run.
+            if not await self.r.set(Keys.active, nxt, nx=True):
+                await self.r.lpush(Keys.queue, nxt)
+                return await self.active()
+            await self.set_state(nxt, "running")
+            return str(nxt)
+
+    async def finish_step(
+        self, run_id: str, step: int, record: dict[str, Any], samples_json: str, steps: int
+    ) -> None:
+        """Record step ``step`` and advance the run; the run succeeds after its last step."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(Keys.samples(run_id, step), samples_json)
+        pipe.rpush(Keys.step_records(run_id), json.dumps(record))
+        pipe.hset(Keys.run(run_id), mapping={"step": step + 1, "updated_at": time.time()})
+        if step + 1 >= steps:
+            pipe.hset(Keys.run(run_id), "state", "succeeded")
+            pipe.delete(Keys.active)
+        await pipe.execute()
+
+    async def steps(self, run_id: str) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in await self.r.lrange(Keys.step_records(run_id), 0, -1)]
+
+    async def samples(self, run_id: str, step: int) -> list[dict[str, Any]] | None:
+        raw = await self.r.get(Keys.samples(run_id, step))
+        return None if raw is None else list(json.loads(raw))

@@ -1,0 +1,494 @@
+"""The manager's bus side: instance registry, dispatch, chunk ingest, barrier, trainer protocol.
+
+Contract: the manager holds no state of its own. Instances, runs, steps, responses and leases
+are Redis data (see :mod:`manager_svc.accounting`); token chunks arrive through a durable
+JetStream consumer and are acked only after their commit, so a manager killed at any point and
+restarted picks up exactly where Redis and the stream say it was. Every bus handler validates
+its message; a malformed one is counted, logged and answered with ``Ack(ok=False)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg as NatsMsg
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from manager_svc.accounting import Ledger
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.runs import RunStore
+from shared import names
+from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
+from shared.config import ManagerConfig
+from shared.errors import ProtocolError
+from shared.names import Keys
+from shared.protocol import (
+    Ack,
+    ActiveRun,
+    Assign,
+    Barrier,
+    Digest,
+    GroupDone,
+    Heartbeat,
+    HeartbeatReply,
+    Release,
+    RunFailed,
+    StepFinish,
+    StepSamples,
+    StepSamplesQuery,
+    StepStart,
+    Target,
+    TokenChunk,
+    TrainerPoll,
+    decode,
+    encode,
+    sample_digest,
+)
+
+log = logging.getLogger("manager")
+M = TypeVar("M", bound=msgspec.Struct)
+# An assignment the instance has not confirmed in a heartbeat after this long is taken back.
+LOST_ASSIGNMENT_S = 1.5
+
+
+class ManagerService:
+    def __init__(self, cfg: ManagerConfig) -> None:
+        self.cfg = cfg
+        self.metrics = ManagerMetrics()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.redis: aioredis.Redis
+        self.nc: Nats
+        self.ledger: Ledger
+        self.runs: RunStore
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.redis = await connect_redis(self.cfg.common.redis_url)
+        self.nc = await connect_nats(self.cfg.common.nats_url, "manager")
+        self.ledger = Ledger(self.redis, self.cfg.lease_ttl_s)
+        self.runs = RunStore(self.redis)
+        js = self.nc.jetstream()
+        await ensure_chunk_stream(js)
+        await self._serve(names.HEARTBEAT, Heartbeat, self.on_heartbeat)
+        await self._serve(names.RELEASE, Release, self.on_release)
+        await self._serve(names.TRAINER_POLL, TrainerPoll, self.on_poll)
+        await self._serve(names.TRAINER_START, StepStart, self.on_step_start)
+        await self._serve(names.TRAINER_SAMPLES, StepSamplesQuery, self.on_samples)
+        await self._serve(names.TRAINER_FINISH, StepFinish, self.on_finish)
+        await self._serve(names.TRAINER_FAIL, RunFailed, self.on_run_failed)
+        self._tasks = [asyncio.create_task(self._supervised(self._consume_chunks)),
+                       asyncio.create_task(self._supervised(self._dispatch_loop))]
+        log.info("manager started: %s", self.cfg.common.describe())
+
+    async def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+
+    async def _supervised(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run a background loop; transient broker errors are retried, never silently fatal."""
+        while not self._stopping:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s failed; restarting it in 0.5s", loop.__name__)
+                await asyncio.sleep(0.5)
+
+    async def _serve(
+        self, subject: str, kind: type[M], handler: Callable[[M], Awaitable[Any]]
+    ) -> None:
+        async def callback(msg: NatsMsg) -> None:
+            try:
+                request = decode(msg.data, kind)
+            except ProtocolError as exc:
+                self.metrics.malformed.labels(subject).inc()
+                log.warning("dropped %s", exc)
+                reply: msgspec.Struct = Ack(ok=False, detail=str(exc))
+            else:
+                try:
+                    reply = await handler(request)
+                except Exception as exc:
+                    self.metrics.handler_errors.labels(subject).inc()
+                    log.exception("handler for %s failed", subject)
+                    reply = Ack(ok=False, detail=f"manager error: {type(exc).__name__}")
+            if msg.reply:
+                with contextlib.suppress(Exception):
+                    await msg.respond(encode(reply))
+
+        await self.nc.subscribe(subject, cb=callback)
+
+    # --- instances -------------------------------------------------------------------------
+
+    async def current_target(self) -> tuple[str, int] | None:
+        run_id = await self.runs.active()
+        if not run_id:
+            return None
+        step = await self.redis.hget(Keys.run(run_id), "step")
+        return (run_id, int(step or 0))
+
+    async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
+        key = Keys.instance(hb.instance_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, mapping={
+            "id": hb.instance_id, "kind": hb.kind, "engine": hb.engine, "state": hb.state,
+            "run_id": hb.run_id or "", "weight_version": -1 if hb.weight_version is None
+            else hb.weight_version, "capacity": hb.capacity, "pid": hb.pid,
+            "last_seen": time.time(),
+        })
+        pipe.pexpire(key, int(self.cfg.instance_ttl_s * 1000))
+        pipe.sadd(Keys.instances, hb.instance_id)
+        pipe.smembers(Keys.instance_held(hb.instance_id))
+        server_held: set[str] = (await pipe.execute())[-1]
+        target = await self.current_target()
+        revoke: list[str] = []
+        reported = set()
+        for held in hb.held:
+            reported.add(held.request_id)
+            wrong_run = target is None or not held.request_id.startswith(target[0] + ":")
+            if wrong_run or not await self.ledger.renew(held.request_id, hb.instance_id,
+                                                        held.epoch):
+                revoke.append(held.request_id)
+        now = time.time()
+        for rid in server_held - reported:
+            assigned = await self.redis.hget(Keys.request(rid), "assigned_at")
+            if assigned and now - float(assigned) > LOST_ASSIGNMENT_S and \
+                    await self.ledger.revoke(rid):
+                self.metrics.revocations.labels("lost").inc()
+        return HeartbeatReply(
+            target=Target(run_id=target[0], weight_version=target[1]) if target else None,
+            revoke=revoke,
+        )
+
+    async def on_release(self, rel: Release) -> Ack:
+        for held in rel.held:
+            if await self.ledger.revoke(held.request_id, held.epoch):
+                self.metrics.revocations.labels(rel.reason).inc()
+        if rel.held and rel.reason == "preempt":
+            await self._count_preemption()
+        if rel.leaving:
+            await self._forget_instance(rel.instance_id)
+        self._wake.set()
+        return Ack()
+
+    async def _count_preemption(self) -> None:
+        target = await self.current_target()
+        if target:
+            await self.redis.hincrby(Keys.step(*target), "preemptions", 1)
+
+    async def _forget_instance(self, instance_id: str) -> None:
+        for rid in await self.redis.smembers(Keys.instance_held(instance_id)):
+            if await self.ledger.revoke(rid):
+                self.metrics.revocations.labels("dead").inc()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(Keys.instance(instance_id), Keys.instance_held(instance_id))
+        pipe.srem(Keys.instances, instance_id)
+        await pipe.execute()
+
+    async def instances(self) -> list[dict[str, Any]]:
+        ids = sorted(await self.redis.smembers(Keys.instances))
+        pipe = self.redis.pipeline(transaction=False)
+        for i in ids:
+            pipe.hgetall(Keys.instance(i))
+            pipe.scard(Keys.instance_held(i))
+        rows = await pipe.execute()
+        out = []
+        for i, (info, held) in zip(ids, zip(rows[::2], rows[1::2], strict=True), strict=True):
+            if not info:
+                continue  # expired: the reaper will take its work back
+            version = int(info.get("weight_version", -1))
+            out.append({
+                "id": i, "kind": info.get("kind"), "state": info.get("state"),
+                "engine": info.get("engine"), "run_id": info.get("run_id") or None,
+                "weight_version": None if version < 0 else version,
+                "capacity": int(info.get("capacity", 1)), "held": int(held),
+                "last_seen": float(info.get("last_seen", 0)),
+            })
+        return out
+
+    async def _reap_instances(self) -> None:
+        """An instance whose heartbeat key expired is dead: take its work back (hard loss)."""
+        for instance_id in await self.redis.smembers(Keys.instances):
+            if await self.redis.exists(Keys.instance(instance_id)):
+                continue
+            held = await self.redis.scard(Keys.instance_held(instance_id))
+            log.warning("instance %s is gone; %d responses go back to the queue",
+                        instance_id, held)
+            if held:
+                await self._count_preemption()
+            await self._forget_instance(instance_id)
+
+    # --- dispatch --------------------------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        last_reap = 0.0
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.cfg.dispatch_interval_s)
+            self._wake.clear()
+            if time.monotonic() - last_reap > min(0.5, self.cfg.instance_ttl_s / 2):
+                last_reap = time.monotonic()
+                await self._reap_instances()
+                await self._expire_leases()
+            await self.dispatch_once()
+
+    async def _active_step(self) -> tuple[str, int, dict[str, str]] | None:
+        target = await self.current_target()
+        if target is None:
+            return None
+        info = await self.redis.hgetall(Keys.step(*target))
+        if not info or info.get("state") != "rollout":
+            return None
+        return target[0], target[1], info
+
+    async def _expire_leases(self) -> None:
+        active = await self._active_step()
+        if active is None:
+            return
+        run_id, step, _ = active
+        leased = sorted(await self.redis.smembers(Keys.leased(run_id, step)))
+        if not leased:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in leased:
+            pipe.exists(Keys.lease(rid))
+        for rid, alive in zip(leased, await pipe.execute(), strict=True):
+            if not alive and await self.ledger.revoke(rid):
+                self.metrics.revocations.labels("expired").inc()
+
+    async def dispatch_once(self) -> int:
+        """Lease pending responses of the active step to ready instances; returns how many."""
+        active = await self._active_step()
+        if active is None:
+            return 0
+        run_id, step, info = active
+        if int(info.get("remaining", 1)) <= 0:
+            await self._barrier(run_id, step)
+            return 0
+        pending = await self.redis.smembers(Keys.pending(run_id, step))
+        if not pending:
+            return 0
+        version = int(info["version"])
+        ready = [i for i in await self.instances() if i["state"] == "ready"
+                 and i["run_id"] == run_id and i["weight_version"] == version]
+        if not ready:
+            return 0
+        spec = (await self.runs.get(run_id) or {}).get("spec", {})
+        queue = sorted(pending, key=lambda r: names.parse_request_id(r)[2:])
+        # Fair share of all outstanding work, so one fast-joining instance does not take it all;
+        # reserved instances come first, as the design's seeding order asks.
+        outstanding = len(queue) + sum(i["held"] for i in ready)
+        share = math.ceil(outstanding / len(ready))
+        ready.sort(key=lambda i: (i["kind"] != "reserved", i["held"]))
+        sent = 0
+        for inst in ready:
+            room = min(inst["capacity"], share) - inst["held"]
+            batch = []
+            while room > 0 and queue:
+                rid = queue.pop(0)
+                assignment = await self.ledger.assign(
+                    rid, inst["id"], float(spec.get("temperature", 1.0)),
+                    int(spec.get("seed", 0)), int(info.get("eos", 0)),
+                )
+                if assignment is not None:
+                    batch.append(assignment)
+                    room -= 1
+            if batch:
+                self.metrics.assignments.inc(len(batch))
+                await self.nc.publish(names.assign_subject(inst["id"]), encode(Assign(items=batch)))
+                sent += len(batch)
+        return sent
+
+    # --- chunks and the barrier ------------------------------------------------------------
+
+    async def _consume_chunks(self) -> None:
+        js = self.nc.jetstream()
+        sub = await js.pull_subscribe(
+            names.CHUNK_WILDCARD, durable=names.CHUNK_CONSUMER, stream=names.CHUNK_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+                                  max_ack_pending=65536),
+        )
+        while True:
+            try:
+                batch = await sub.fetch(512, timeout=0.5)
+            except TimeoutError:
+                continue
+            except Exception as exc:  # a broker restart surfaces here; the consumer is durable
+                if "timeout" not in type(exc).__name__.lower():
+                    log.warning("chunk fetch: %s", exc)
+                    await asyncio.sleep(0.2)
+                continue
+            for msg in batch:
+                await self._ingest(msg)
+
+    async def _ingest(self, msg: NatsMsg) -> None:
+        try:
+            chunk = decode(msg.data, TokenChunk)
+            names.parse_request_id(chunk.request_id)
+        except (ProtocolError, ValueError) as exc:
+            self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
+            log.warning("dropped chunk: %s", exc)
+            await msg.term()
+            return
+        result = await self.ledger.commit(chunk)
+        self.metrics.chunks.labels(result.status).inc()
+        if result.status in ("ok", "final", "group", "step"):
+            self.metrics.tokens.inc(len(chunk.token_ids))
+        elif result.status in ("gap", "wrong_version", "overlong"):
+            self.metrics.revocations.labels(result.status).inc()
+            self._wake.set()
+        if result.status in ("group", "step"):
+            run_id, step, prompt, _ = names.parse_request_id(chunk.request_id)
+            spec = (await self.runs.get(run_id) or {}).get("spec", {})
+            samples = await self.ledger.group_samples(run_id, step, prompt,
+                                                      int(spec.get("samples_per_prompt", 1)))
+            await self.nc.publish(names.group_subject(run_id), encode(
+                GroupDone(run_id=run_id, step=step, prompt_index=prompt, samples=samples)))
+            if result.status == "step":
+                await self._barrier(run_id, step)
+        await msg.ack()
+
+    async def _barrier(self, run_id: str, step: int) -> None:
+        """Every response of the step is complete, once: freeze the digest and announce it."""
+        samples = await self.ledger.done_samples(run_id, step)
+        digest = sample_digest(samples)
+        await self.redis.hset(Keys.step(run_id, step), mapping={
+            "state": "training", "rollout_done_at": time.time(),
+            "digest": msgspec.json.encode(digest).decode(),
+        })
+        log.info("barrier %s step %d: %d responses, %d tokens", run_id, step,
+                 digest.responses, digest.tokens)
+        await self.nc.publish(names.barrier_subject(run_id),
+                              encode(Barrier(run_id=run_id, step=step, digest=digest)))
+
+    # --- trainer protocol ------------------------------------------------------------------
+
+    async def on_poll(self, poll: TrainerPoll) -> ActiveRun:
+        run_id = await self.runs.active()
+        if not run_id:
+            return ActiveRun()
+        run = await self.runs.get(run_id) or {}
+        return ActiveRun(run_id=run_id, spec=run["spec"], step=run["step"], state=run["state"])
+
+    async def on_step_start(self, msg: StepStart) -> Ack:
+        run = await self.runs.get(msg.run_id)
+        if run is None or run["state"] != "running":
+            return Ack(ok=False, detail=f"run {msg.run_id} is not running")
+        if msg.step != run["step"] or msg.weight_version != msg.step:
+            return Ack(ok=False, detail=f"run is at step {run['step']}, not {msg.step}")
+        spec = run["spec"]
+        if len(msg.prompt_token_ids) != spec["prompts_per_step"]:
+            return Ack(ok=False, detail="prompt count differs from prompts_per_step")
+        created = await self.ledger.create_step(
+            msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
+            spec["samples_per_prompt"], spec["max_new_tokens"],
+        )
+        if created:
+            await self.redis.hset(Keys.step(msg.run_id, msg.step), "eos", msg.eos_token_id)
+            log.info("step %d of %s started", msg.step, msg.run_id)
+        self._wake.set()
+        return Ack()
+
+    async def _barrier_digest(self, run_id: str, step: int) -> Digest | None:
+        raw = await self.redis.hget(Keys.step(run_id, step), "digest")
+        return msgspec.json.decode(raw, type=Digest) if raw else None
+
+    async def on_samples(self, query: StepSamplesQuery) -> StepSamples:
+        digest = await self._barrier_digest(query.run_id, query.step)
+        samples = await self.ledger.done_samples(query.run_id, query.step)
+        return StepSamples(run_id=query.run_id, step=query.step, complete=digest is not None,
+                           samples=samples, digest=digest)
+
+    async def on_finish(self, fin: StepFinish) -> Ack:
+        run = await self.runs.get(fin.run_id)
+        if run is None:
+            return Ack(ok=False, detail=f"unknown run {fin.run_id}")
+        if run["step"] > fin.step:
+            return Ack(detail="already recorded")  # a retried finish after a lost reply
+        if run["state"] != "running" or run["step"] != fin.step:
+            return Ack(ok=False, detail=f"run is {run['state']} at step {run['step']}")
+        digest = await self._barrier_digest(fin.run_id, fin.step)
+        if digest is None or digest != fin.digest:
+            # The trainer trained on something other than the barrier's data: invariant 3.
+            await self.runs.set_state(fin.run_id, "failed", "barrier digest mismatch")
+            await self.redis.delete(Keys.active)
+            return Ack(ok=False, detail="digest does not match the barrier's")
+        samples = await self.ledger.done_samples(fin.run_id, fin.step)
+        rewards = {(r.prompt_index, r.sample_index): r.reward for r in fin.rewards}
+        for s in samples:
+            s.reward = rewards.get((s.prompt_index, s.sample_index))
+        info = await self.redis.hgetall(Keys.step(fin.run_id, fin.step))
+        now = time.time()
+        started = float(info["started_at"])
+        values = [r for r in rewards.values()]
+        record = {
+            "step": fin.step, "weight_version": int(info["version"]),
+            "new_weight_version": fin.new_version, "responses": digest.responses,
+            "tokens": digest.tokens,
+            "reward_mean": sum(values) / len(values) if values else 0.0,
+            "step_s": now - started,
+            "rollout_s": float(info.get("rollout_done_at", now)) - started,
+            "train_s": fin.train_s, "trainer_idle_s": fin.trainer_idle_s,
+            "rollout_idle_s": 0.0, "seeding_window_s": 0.0, "loss": fin.loss,
+            "instances": len(await self.instances()),
+            **{k: int(info.get(k, 0)) for k in (
+                "migrations", "preemptions", "duplicate_chunks_dropped",
+                "stale_chunks_rejected", "tokens_regenerated")},
+        }
+        await self.runs.finish_step(fin.run_id, fin.step, record,
+                                    msgspec.json.encode(samples).decode(), run["steps"])
+        await self.redis.hset(Keys.step(fin.run_id, fin.step), "state", "finished")
+        self.metrics.steps.inc()
+        self.metrics.step_seconds.observe(record["step_s"])
+        log.info("step %d of %s finished: reward %.3f, %.2fs", fin.step, fin.run_id,
+                 record["reward_mean"], record["step_s"])
+        self._wake.set()
+        return Ack()
+
+    async def on_run_failed(self, msg: RunFailed) -> Ack:
+        await self.runs.set_state(msg.run_id, "failed", msg.error[:2000])
+        if await self.redis.get(Keys.active) == msg.run_id:
+            await self.redis.delete(Keys.active)
+        return Ack()
+
+    async def cancel(self, run_id: str) -> dict[str, Any] | None:
+        run = await self.runs.get(run_id)
+        if run is None:
+            return None
+        if run["state"] in ("queued", "running"):
+            await self.runs.set_state(run_id, "cancelled")
+            if await self.redis.get(Keys.active) == run_id:
+                await self.redis.delete(Keys.active)
+        return await self.runs.get(run_id)
+
+    async def step_progress(self, run_id: str, step: int) -> dict[str, Any]:
+        info = await self.redis.hgetall(Keys.step(run_id, step))
+        if not info:
+            return {}
+        total = int(info.get("total", 0))
+        return {"step": step, "state": info.get("state"), "responses_total": total,
+                "responses_done": total - int(info.get("remaining", total)),
+                "tokens": int(info.get("tokens", 0))}

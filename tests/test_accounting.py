@@ -1,0 +1,119 @@
+"""The exactly-once ledger against a real redis-server: commits, duplicates, fencing, barrier."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from manager_svc.accounting import Ledger
+from shared.bus import connect_redis
+from shared.names import Keys
+from shared.protocol import TokenChunk
+from shared.stack import Stack
+
+RUN = "run-acc"
+
+
+def chunk(rid: str, inst: str, epoch: int, offset: int, tokens: list[int], final: bool = False,
+          version: int = 0) -> TokenChunk:
+    return TokenChunk(request_id=rid, instance_id=inst, epoch=epoch, weight_version=version,
+                      offset=offset, token_ids=tokens, final=final,
+                      finish_reason="stop" if final else None)
+
+
+@pytest.fixture
+async def ledger(brokers: Stack):
+    redis = await connect_redis(brokers.redis.url)
+    await redis.flushdb()
+    led = Ledger(redis, lease_ttl_s=0.5)
+    await led.create_step(RUN, 0, 0, [[1, 2], [3, 4]], samples=2, max_new_tokens=6)
+    yield led
+    await redis.aclose()
+
+
+async def test_create_step_is_idempotent(ledger: Ledger) -> None:
+    assert not await ledger.create_step(RUN, 0, 0, [[9]], samples=5, max_new_tokens=1)
+    assert await ledger.r.scard(Keys.pending(RUN, 0)) == 4
+
+
+async def test_commit_in_order_then_duplicates_are_dropped(ledger: Ledger) -> None:
+    rid = f"{RUN}:0:0:0"
+    a = await ledger.assign(rid, "i1", 1.0, 0, 2)
+    assert a is not None and a.epoch == 1 and a.committed_token_ids == []
+    assert (await ledger.commit(chunk(rid, "i1", 1, 0, [5, 6]))).status == "ok"
+    # A redelivery of the same chunk changes nothing.
+    assert (await ledger.commit(chunk(rid, "i1", 1, 0, [5, 6]))).status == "duplicate"
+    assert (await ledger.commit(chunk(rid, "i1", 1, 2, [7, 2], final=True))).status == "final"
+    assert (await ledger.commit(chunk(rid, "i1", 1, 2, [7, 2], final=True))).status == "duplicate"
+    [sample] = await ledger.samples([rid])
+    assert sample.response_token_ids == [5, 6, 7, 2]
+    assert sample.instances == ["i1"]
+    info = await ledger.r.hgetall(Keys.step(RUN, 0))
+    assert int(info["tokens"]) == 4
+    assert int(info["duplicate_chunks_dropped"]) == 2
+
+
+async def test_stale_epoch_is_fenced_and_migration_resumes(ledger: Ledger) -> None:
+    rid = f"{RUN}:0:1:0"
+    first = await ledger.assign(rid, "i1", 1.0, 0, 2)
+    assert first is not None
+    assert (await ledger.commit(chunk(rid, "i1", first.epoch, 0, [5]))).status == "ok"
+    assert await ledger.revoke(rid)
+    second = await ledger.assign(rid, "i2", 1.0, 0, 2)
+    assert second is not None and second.epoch == first.epoch + 2
+    assert second.committed_token_ids == [5]
+    # The old owner wakes up: every chunk it sends is rejected, whatever its offset.
+    assert (await ledger.commit(chunk(rid, "i1", first.epoch, 1, [6]))).status == "stale"
+    assert (await ledger.commit(chunk(rid, "i2", second.epoch, 1, [7, 2], True))).status == "final"
+    [sample] = await ledger.samples([rid])
+    assert sample.response_token_ids == [5, 7, 2]
+    assert sample.instances == ["i1", "i2"]
+    info = await ledger.r.hgetall(Keys.step(RUN, 0))
+    assert int(info["stale_chunks_rejected"]) == 1
+    assert int(info["tokens_regenerated"]) == 1
+    assert int(info["migrations"]) == 1
+
+
+async def test_expired_lease_rejects_chunks(ledger: Ledger) -> None:
+    rid = f"{RUN}:0:0:1"
+    a = await ledger.assign(rid, "i1", 1.0, 0, 2)
+    assert a is not None
+    await asyncio.sleep(0.7)  # past the 0.5 s lease
+    assert (await ledger.commit(chunk(rid, "i1", a.epoch, 0, [5]))).status == "stale"
+
+
+async def test_gap_revokes_and_wrong_version_is_rejected(ledger: Ledger) -> None:
+    rid = f"{RUN}:0:0:0"
+    a = await ledger.assign(rid, "i1", 1.0, 0, 2)
+    assert a is not None
+    assert (await ledger.commit(chunk(rid, "i1", a.epoch, 3, [5]))).status == "gap"
+    assert await ledger.r.sismember(Keys.pending(RUN, 0), rid)
+    b = await ledger.assign(rid, "i1", 1.0, 0, 2)
+    assert b is not None
+    status = (await ledger.commit(chunk(rid, "i1", b.epoch, 0, [5], version=7))).status
+    assert status == "wrong_version"
+    [sample] = await ledger.samples([rid])
+    assert sample.response_token_ids == []
+
+
+async def test_overlong_response_is_refused(ledger: Ledger) -> None:
+    rid = f"{RUN}:0:1:1"
+    a = await ledger.assign(rid, "i1", 1.0, 0, 2)
+    assert a is not None
+    assert (await ledger.commit(chunk(rid, "i1", a.epoch, 0, [5] * 7))).status == "overlong"
+
+
+async def test_group_and_step_completion_fire_once(ledger: Ledger) -> None:
+    statuses = []
+    for p in range(2):
+        for s in range(2):
+            rid = f"{RUN}:0:{p}:{s}"
+            a = await ledger.assign(rid, "i1", 1.0, 0, 2)
+            assert a is not None
+            statuses.append((await ledger.commit(chunk(rid, "i1", a.epoch, 0, [2], True))).status)
+    assert statuses == ["final", "group", "final", "step"]
+    done = await ledger.done_samples(RUN, 0)
+    assert [(s.prompt_index, s.sample_index) for s in done] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # A finished response cannot be assigned again.
+    assert await ledger.assign(f"{RUN}:0:0:0", "i2", 1.0, 0, 2) is None

@@ -1,0 +1,140 @@
+"""The manager's REST surface and its resilience to bad input, on a real manager process."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from rlboost.launcher import Child
+from shared import names
+from shared.stack import Stack, free_port
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def manager(brokers: Stack, tmp_path: Path) -> Iterator[httpx.Client]:
+    port = free_port()
+    child = Child("manager", [sys.executable, "-m", "manager_svc"], {
+        **brokers.env(), "RLBOOST_MANAGER_URL": f"http://127.0.0.1:{port}",
+        "RLBOOST_DATA_DIR": str(tmp_path / "data"), "RLBOOST_API_TOKEN": TOKEN,
+    }, tmp_path / "manager.log")
+    child.start()
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as client:
+        for _ in range(200):
+            try:
+                if client.get("/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            asyncio.run(asyncio.sleep(0.05))
+        else:
+            pytest.fail(f"manager did not start:\n{child.tail()}")
+        yield client
+    child.signal(15)
+    assert child.proc is not None
+    child.proc.wait(timeout=10)
+
+
+def metric(client: httpx.Client, name: str, **labels: str) -> float:
+    text = client.get("/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if want else "") + r" (\S+)"
+    found = re.search(pattern, text)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.parametrize("body", [
+    {"no_such_field": 1},
+    {"steps": -1},
+    {"steps": "3"},
+    {"samples_per_prompt": 0},
+    {"learning_rate": "fast"},
+    {"seeding": {"mode": "sometimes"}},
+    {"seeding": {"mode": "fixed", "extra": 1}},
+])
+def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str, object]) -> None:
+    resp = manager.post("/v1/runs", json=body)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"]
+
+
+def test_malformed_json_body_is_422(manager: httpx.Client) -> None:
+    resp = manager.post("/v1/runs", content=b"{not json",
+                        headers={"content-type": "application/json"})
+    assert resp.status_code == 422
+    assert resp.json()["detail"]
+
+
+def test_run_lifecycle_and_unknown_ids(manager: httpx.Client) -> None:
+    created = manager.post("/v1/runs", json={"steps": 2, "seed": 3})
+    assert created.status_code == 201
+    run = created.json()
+    assert run["state"] in ("queued", "running") and run["steps"] == 2
+    assert manager.get(f"/v1/runs/{run['id']}").json()["spec"]["seed"] == 3
+    assert any(r["id"] == run["id"] for r in manager.get("/v1/runs").json())
+    assert manager.get(f"/v1/runs/{run['id']}/steps").json() == []
+    assert manager.get(f"/v1/runs/{run['id']}/steps/0/samples").status_code == 404
+    cancelled = manager.post(f"/v1/runs/{run['id']}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+    for path in ("/v1/runs/nope", "/v1/runs/nope/steps", "/v1/runs/nope/steps/0/samples"):
+        resp = manager.get(path)
+        assert resp.status_code == 404 and "nope" in resp.json()["detail"]
+    assert manager.post("/v1/runs/nope/cancel").status_code == 404
+    assert manager.get("/v1/instances").json() == []
+
+
+def test_bearer_token_is_required(manager: httpx.Client) -> None:
+    base = str(manager.base_url)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        resp = httpx.get(base + "/v1/runs", headers=headers)
+        assert resp.status_code == 401 and resp.json()["detail"]
+        assert httpx.post(base + "/v1/runs", json={}, headers=headers).status_code == 401
+    assert httpx.get(base + "/healthz").status_code == 200
+
+
+def test_malformed_bus_messages_are_counted_and_dropped(
+    manager: httpx.Client, brokers: Stack
+) -> None:
+    subjects = [names.HEARTBEAT, names.RELEASE, names.TRAINER_POLL, names.TRAINER_START,
+                names.TRAINER_SAMPLES, names.TRAINER_FINISH, names.TRAINER_FAIL]
+    garbage = [b"", b"not json", b'{"type": "Heartbeat"}', b"[1,2,3]", b"\xff\xfe"]
+
+    async def send() -> list[bytes]:
+        nc = await nats.connect(brokers.nats.url)
+        replies = []
+        for subject in subjects:
+            for payload in garbage:
+                msg = await nc.request(subject, payload, timeout=5)
+                replies.append(msg.data)
+        js = nc.jetstream()
+        for payload in garbage:
+            await js.publish(names.chunk_subject("run-x"), payload)
+        await js.publish(names.chunk_subject("run-x"),
+                         b'{"type":"TokenChunk","request_id":"no-colons","instance_id":"i",'
+                         b'"epoch":1,"weight_version":0,"offset":0,"token_ids":[1]}')
+        await nc.close()
+        return replies
+
+    replies = asyncio.run(send())
+    assert all(b'"ok":false' in r for r in replies)
+    for subject in subjects:
+        assert metric(manager, "rlboost_malformed_messages_total", subject=subject) == len(garbage)
+    for _ in range(50):
+        chunk_drops = metric(manager, "rlboost_malformed_messages_total",
+                             subject=names.CHUNK_WILDCARD)
+        if chunk_drops == len(garbage) + 1:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert chunk_drops == len(garbage) + 1
+    # Still serving, and a well-formed run still goes in.
+    assert manager.get("/healthz").status_code == 200
+    assert manager.post("/v1/runs", json={"steps": 1}).status_code == 201
