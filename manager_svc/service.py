@@ -157,6 +157,7 @@ class ManagerService:
             "id": hb.instance_id, "kind": hb.kind, "engine": hb.engine, "state": hb.state,
             "run_id": hb.run_id or "", "weight_version": -1 if hb.weight_version is None
             else hb.weight_version, "capacity": hb.capacity, "pid": hb.pid,
+            "metrics_port": hb.metrics_port,
             "last_seen": time.time(),
         })
         pipe.pexpire(key, int(self.cfg.instance_ttl_s * 1000))
@@ -225,6 +226,7 @@ class ManagerService:
                 "engine": info.get("engine"), "run_id": info.get("run_id") or None,
                 "weight_version": None if version < 0 else version,
                 "capacity": int(info.get("capacity", 1)), "held": int(held),
+                "pid": int(info.get("pid", 0)), "metrics_port": int(info.get("metrics_port", 0)),
                 "last_seen": float(info.get("last_seen", 0)),
             })
         return out

@@ -74,6 +74,8 @@ class Common:
     data_dir: Path
     log_level: str
     torch_threads: int | None  # RLBOOST_TORCH_THREADS: intra-op threads of torch services
+    metrics_addr: str  # RLBOOST_METRICS_ADDR: where trainer/rollout serve /metrics
+    metrics_port: int  # RLBOOST_METRICS_PORT: 0 = any free port
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Common:
@@ -85,6 +87,8 @@ class Common:
             api_token=env.get("RLBOOST_API_TOKEN") or None,
             weights_token=env.get("RLBOOST_WEIGHTS_TOKEN") or env.get("RLBOOST_API_TOKEN") or None,
             torch_threads=_int(env, "RLBOOST_TORCH_THREADS", 0, 0) or None,
+            metrics_addr=env.get("RLBOOST_METRICS_ADDR") or "127.0.0.1",
+            metrics_port=_int(env, "RLBOOST_METRICS_PORT", 0, 0),
             data_dir=Path(env.get("RLBOOST_DATA_DIR") or "./data").resolve(),
             log_level=(env.get("RLBOOST_LOG_LEVEL") or "INFO").upper(),
         )

@@ -44,6 +44,7 @@ class Heartbeat(Msg):
     held: list[Held] = []  # responses in flight; their leases are renewed by this beat
     capacity: int = 1  # responses it can generate concurrently
     pid: int = 0  # for operators and fault tests
+    metrics_port: int = 0  # where the instance serves /metrics (0 = not served)
 
 
 class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,0 +1,191 @@
+"""Generation engines behind one interface: token ids in, token events out.
+
+The engine knows nothing about NATS, Redis, leases or tokenizers; it's purely token id
+sequences. The instance service drives it: it calls ``step()`` over and over in one worker
+thread while ``add``/``abort`` arrive from the event-loop thread, so those two only touch an
+``Inbox`` (a lock and two lists) that ``step()`` empties when it starts.
+
+Contract every engine keeps:
+
+* **Keyed sampling (invariant 5).** The token at response position ``pos`` of a request is
+  ``shared.sampling.pick(cumulative_probs, uniform(seed, step, prompt_index, sample_index, pos))``
+  over softmax(logits / temperature) in float64 on the CPU (temperature 0: argmax). Nothing
+  depends on the batch, the instance or how often the response moved, so a request resumed
+  after its ``committed_token_ids`` on another engine draws exactly what it would have.
+* **Positions count committed tokens.** ``max_new_tokens`` is the whole response budget; a
+  request resumed after k tokens emits positions k, k+1, ...; EOS is emitted as the last token
+  with finish reason ``"stop"``, and the token at position ``max_new_tokens - 1`` ends with
+  ``"length"``.
+* **Already finished on arrival.** A request whose committed tokens end in EOS or fill the
+  budget generates nothing: its only event re-states the last committed token with
+  ``finished=True``, so the caller learns it is complete (the manager drops the token itself
+  as a duplicate of a committed one).
+* **On-policy.** ``add`` refuses a request whose ``weight_version`` is not the loaded one, and
+  ``load`` refuses to swap weights under queued or active work: drain (or finish) first.
+* **Abort is final.** After ``abort(id)`` returns, no event for that id comes out of ``step()``
+  (an event computed by a step already in flight is filtered before it returns).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from shared.errors import RlboostError
+
+FinishReason = Literal["stop", "length"]
+ENGINE_NAMES = ("torch", "emu", "sglang")
+
+
+@dataclass(slots=True)
+class GenRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    committed_token_ids: list[int]  # response tokens already committed elsewhere: resume after them
+    max_new_tokens: int  # total response budget INCLUDING committed tokens
+    temperature: float  # 0 = greedy (argmax)
+    seed: int  # run seed: first coordinate of the sampling key
+    step: int  # RL step: second coordinate of the sampling key
+    prompt_index: int  # third coordinate of the sampling key
+    sample_index: int  # fourth coordinate (the position is the fifth)
+    eos_token_id: int  # sampling it ends the response with finish reason "stop"
+    weight_version: int  # must equal the engine's loaded version (on-policy guard)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    request_id: str
+    token_id: int
+    position: int  # index in the response (0-based, committed tokens count)
+    finished: bool  # True on the response's last token
+    finish_reason: FinishReason | None  # "stop" (EOS, included as this token) | "length"
+
+
+class EngineError(RlboostError):
+    """A request or load the engine cannot honour (bad request, version mismatch, bad model)."""
+
+
+class EngineUnavailable(EngineError, NotImplementedError):
+    """The named engine exists in the design but cannot run in this build."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"engine {name!r} is not available: {problem}")
+        self.name = name
+        self.problem = problem
+
+
+class Engine(Protocol):
+    name: str
+
+    def load(self, model_dir: Path | None, run_id: str, version: int) -> None: ...
+
+    @property
+    def loaded(self) -> tuple[str, int] | None: ...
+
+    def add(self, req: GenRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[TokenEvent]: ...
+
+    def drain(self) -> list[str]: ...
+
+
+def finish_reason(req: GenRequest, token_id: int, position: int) -> FinishReason | None:
+    """Why the response ends at this token, or None if it goes on."""
+    if token_id == req.eos_token_id:
+        return "stop"
+    if position + 1 >= req.max_new_tokens:
+        return "length"
+    return None
+
+
+def finished_on_arrival(req: GenRequest) -> TokenEvent | None:
+    """The closing event of a request that has nothing left to generate, else None."""
+    done = req.committed_token_ids
+    if not done:
+        return None
+    reason = finish_reason(req, done[-1], len(done) - 1)
+    if reason is None:
+        return None
+    return TokenEvent(req.request_id, done[-1], len(done) - 1, True, reason)
+
+
+def check_request(req: GenRequest, loaded: tuple[str, int] | None) -> None:
+    """Reject what no engine can generate correctly, at ``add`` time, in the caller's thread."""
+    if loaded is None:
+        raise EngineError(f"{req.request_id}: no weights loaded")
+    if req.weight_version != loaded[1]:
+        raise EngineError(
+            f"{req.request_id}: wants weight version {req.weight_version}, engine holds {loaded[1]}"
+        )
+    if not req.prompt_token_ids:
+        raise EngineError(f"{req.request_id}: empty prompt")
+    if req.max_new_tokens < 1:
+        raise EngineError(f"{req.request_id}: max_new_tokens must be >= 1")
+    if req.temperature < 0:
+        raise EngineError(f"{req.request_id}: negative temperature")
+
+
+class Inbox:
+    """The only state shared between the caller's threads and the thread running ``step()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[GenRequest] = []
+        self._aborted: set[str] = set()
+
+    def put(self, req: GenRequest) -> None:
+        with self._lock:
+            self._pending.append(req)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._pending = [r for r in self._pending if r.request_id != request_id]
+            # Recorded even if it was only pending: a step in flight may have taken it already.
+            self._aborted.add(request_id)
+
+    def take(self) -> tuple[list[GenRequest], set[str]]:
+        """Everything added and aborted since the last take; aborts apply before the adds."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            aborted, self._aborted = self._aborted, set()
+        return pending, aborted
+
+    def late_aborts(self) -> set[str]:
+        """Aborts that arrived while a step ran: its events for these ids must not leave."""
+        with self._lock:
+            return set(self._aborted)
+
+    def pending_ids(self) -> list[str]:
+        with self._lock:
+            return [r.request_id for r in self._pending]
+
+    def clear(self) -> list[str]:
+        with self._lock:
+            ids = [r.request_id for r in self._pending]
+            self._pending = []
+            self._aborted = set()
+        return ids
+
+
+def create_engine(name: str, **options: Any) -> Engine:
+    """Build the engine ``RLBOOST_ENGINE`` names; ``options`` go to its constructor."""
+    # Imported here so the emulator never pulls in torch/transformers and vice versa.
+    if name == "torch":
+        from rollout_svc.engine_torch import TorchEngine
+
+        return TorchEngine(**options)
+    if name == "emu":
+        from rollout_svc.engine_emu import EmuEngine
+
+        return EmuEngine(**options)
+    if name == "sglang":
+        # The GPU engine drives an SGLang server over HTTP; sglang is an optional extra that
+        # the default stack and the tests never import.
+        raise EngineUnavailable("sglang", "the SGLang driver is not implemented yet")
+    raise EngineError(f"unknown engine {name!r}; expected one of {', '.join(ENGINE_NAMES)}")

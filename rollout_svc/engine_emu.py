@@ -1,0 +1,221 @@
+"""An emulated GPU engine: a latency model and tokens that are a pure function of the request.
+
+EMULATION. Nothing here runs a model; any figure made with it must say so. It exists so scale,
+fault and scheduling experiments (hundreds of instances, preemptions at any token) run on one
+CPU machine, with an exact oracle: ``expected_tokens(req)`` is the response a fault-free run
+produces, and a response resumed from any committed prefix, on any engine instance, in any
+batch, continues with exactly those tokens.
+
+Contract (see ``rollout_svc.engine``): token ids in, ``TokenEvent``s out; the engine knows
+nothing about NATS; it's purely token id sequences.
+
+* Token at position ``pos``: ``int(u * 1e9 + weight_version * 7919) % (vocab_size - 3) + 3``
+  with ``u = uniform(seed, step, prompt, sample, pos)`` (ids 0..2 stay free for pad/bos/eos),
+  nudged off ``eos_token_id`` so EOS only ever appears where the length model puts it.
+* Length: lognormal (long-tailed, like reasoning RL: most responses short, a few run into the
+  budget), keyed by ``uniform(seed, step, prompt, sample, -1 - weight_version)`` so it never
+  shares a draw with a token and changes with the weights. A length L within the budget ends
+  with EOS at position L - 1 (``"stop"``); a longer one is cut at ``max_new_tokens``
+  (``"length"``).
+* Time: each ``step()`` sleeps ``time_scale * (decode_s_base + decode_s_per_seq * batch)`` plus
+  the prefill of requests that joined in it (continuous batching: they join at any step).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+
+from rollout_svc.engine import (
+    EngineError,
+    FinishReason,
+    GenRequest,
+    Inbox,
+    TokenEvent,
+    check_request,
+    finished_on_arrival,
+)
+from shared.sampling import uniform
+
+_NORMAL = NormalDist()
+_FIRST_TOKEN = 3  # ids below this are reserved (pad/bos/eos in most vocabularies)
+
+# Latency model. ASSUMPTION, not measurement: an 8B dense model in bf16 served by SGLang on
+# one H100 (3.35 TB/s HBM, ~990 dense bf16 TFLOP/s), reasoning-length contexts of a few
+# thousand tokens. Replace with numbers measured on the target hardware before quoting them.
+#
+# Decode floor per step: reading 16 GB of weights at ~3.35 TB/s is ~5 ms; with kernel launch
+# and scheduler overhead SGLang sits near 10 ms at batch 1.
+DECODE_S_BASE = 0.010
+# Each running sequence adds its KV-cache reads: Llama-3-8B keeps 128 KiB/token (GQA, bf16),
+# so ~4k tokens of context is ~0.5 GB/step, ~0.15 ms at full bandwidth; ~0.3 ms with the
+# attention kernel's real efficiency. Batch 64 then costs ~30 ms/step, the figure commonly
+# quoted for an 8B model at moderate batch on an H100.
+DECODE_S_PER_SEQ = 0.0003
+# Prefill is compute-bound: 2 * 8e9 FLOP/token at ~50 % of 990 TFLOP/s is ~32 us/token
+# (~30k tokens/s), charged for prompt + committed tokens when a request joins.
+PREFILL_S_PER_TOKEN = 3.0e-5
+# In-place weight update (SGLang update_weights_from_disk) of a 16 GB checkpoint that is
+# already on local disk or in page cache: a few GB/s into HBM. Pulling it over the network is
+# the weight service's cost, not this one.
+LOAD_S = 4.0
+# Length model: mean response = MEAN_LEN_FRAC * max_new_tokens unless ``mean_len`` is given;
+# sigma 1.0 puts the median at ~0.6 of the mean and ~3 % of responses into the budget at the
+# default fraction, the long tail that makes rollout stragglers (RLBoost section 2).
+MEAN_LEN_FRAC = 0.25
+LEN_SIGMA = 1.0
+
+
+@dataclass(slots=True)
+class _Active:
+    req: GenRequest
+    position: int  # next response position to emit
+    length: int  # response length the length model gives this request (EOS included)
+
+
+class EmuEngine:
+    name = "emu"
+
+    def __init__(
+        self,
+        time_scale: float = 1.0,
+        prefill_s_per_token: float = PREFILL_S_PER_TOKEN,
+        decode_s_base: float = DECODE_S_BASE,
+        decode_s_per_seq: float = DECODE_S_PER_SEQ,
+        max_batch: int = 64,
+        vocab_size: int = 32000,
+        mean_len: float | None = None,
+        max_len_cap: int | None = None,
+        len_sigma: float = LEN_SIGMA,
+        load_s: float = LOAD_S,
+    ) -> None:
+        if time_scale < 0 or max_batch < 1 or vocab_size <= _FIRST_TOKEN + 1 or len_sigma <= 0:
+            raise EngineError("bad emu engine options")
+        self.time_scale = time_scale
+        self.prefill_s_per_token = prefill_s_per_token
+        self.decode_s_base = decode_s_base
+        self.decode_s_per_seq = decode_s_per_seq
+        self.max_batch = max_batch
+        self.vocab_size = vocab_size
+        self.mean_len = mean_len  # None: MEAN_LEN_FRAC of each request's budget
+        self.max_len_cap = max_len_cap  # a natural length never exceeds this (ends in EOS)
+        self.len_sigma = len_sigma
+        self.load_s = load_s
+        self._loaded: tuple[str, int] | None = None
+        self._inbox = Inbox()
+        self._queue: deque[GenRequest] = deque()  # waiting for a free batch slot
+        self._active: dict[str, _Active] = {}
+        self._stepping = threading.Lock()
+
+    # -- the pure functions (the oracle) ------------------------------------------------------
+
+    def token_at(self, req: GenRequest, position: int) -> int:
+        """The content token at ``position``; never ``req.eos_token_id``."""
+        u = uniform(req.seed, req.step, req.prompt_index, req.sample_index, position)
+        span = self.vocab_size - _FIRST_TOKEN
+        token = int(u * 1e9 + req.weight_version * 7919) % span + _FIRST_TOKEN
+        if token == req.eos_token_id:
+            token = (token - _FIRST_TOKEN + 1) % span + _FIRST_TOKEN
+        return token
+
+    def natural_length(self, req: GenRequest) -> int:
+        """Tokens the response would have (EOS included) without a budget; >= 1."""
+        mean = self.mean_len if self.mean_len is not None else MEAN_LEN_FRAC * req.max_new_tokens
+        mu = math.log(max(mean, 1.0)) - self.len_sigma**2 / 2  # so that E[length] = mean
+        u = uniform(req.seed, req.step, req.prompt_index, req.sample_index, -1 - req.weight_version)
+        z = _NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))  # inv_cdf rejects 0 and 1
+        length = max(1, round(math.exp(mu + self.len_sigma * z)))
+        return min(length, self.max_len_cap) if self.max_len_cap is not None else length
+
+    def event_at(self, req: GenRequest, position: int, length: int) -> TokenEvent:
+        """The event at ``position`` of a response whose natural length is ``length``."""
+        if position == length - 1 and length <= req.max_new_tokens:
+            return TokenEvent(req.request_id, req.eos_token_id, position, True, "stop")
+        reason: FinishReason | None = "length" if position + 1 >= req.max_new_tokens else None
+        return TokenEvent(
+            req.request_id, self.token_at(req, position), position, reason is not None, reason
+        )
+
+    def expected_tokens(self, req: GenRequest) -> list[int]:
+        """The full response (from position 0) a fault-free run produces."""
+        length = self.natural_length(req)
+        return [
+            self.event_at(req, pos, length).token_id
+            for pos in range(min(length, req.max_new_tokens))
+        ]
+
+    # -- the Engine interface -------------------------------------------------------------------
+
+    @property
+    def loaded(self) -> tuple[str, int] | None:
+        return self._loaded
+
+    def load(self, model_dir: Path | None, run_id: str, version: int) -> None:
+        del model_dir  # no weights: the version is all that changes the tokens
+        with self._stepping:
+            if self._active or self._queue or self._inbox.pending_ids():
+                raise EngineError("cannot swap weights under queued or active requests")
+            self._sleep(self.load_s)
+            self._loaded = (run_id, version)
+
+    def add(self, req: GenRequest) -> None:
+        check_request(req, self._loaded)
+        self._inbox.put(req)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.abort(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._active) or bool(self._queue) or bool(self._inbox.pending_ids())
+
+    def drain(self) -> list[str]:
+        with self._stepping:
+            ids = list(self._active) + [r.request_id for r in self._queue]
+            ids += self._inbox.clear()
+            self._active.clear()
+            self._queue.clear()
+        return ids
+
+    def step(self) -> list[TokenEvent]:
+        with self._stepping:
+            events: list[TokenEvent] = []
+            pending, aborted = self._inbox.take()
+            for request_id in aborted:
+                self._active.pop(request_id, None)
+            self._queue = deque(r for r in self._queue if r.request_id not in aborted)
+            for req in pending:
+                closing = finished_on_arrival(req)
+                if closing is None:
+                    self._queue.append(req)
+                else:
+                    events.append(closing)
+            prefill_tokens = 0
+            while self._queue and len(self._active) < self.max_batch:
+                req = self._queue.popleft()
+                prefill_tokens += len(req.prompt_token_ids) + len(req.committed_token_ids)
+                self._active[req.request_id] = _Active(
+                    req, len(req.committed_token_ids), self.natural_length(req)
+                )
+            if self._active:
+                self._sleep(
+                    self.prefill_s_per_token * prefill_tokens
+                    + self.decode_s_base
+                    + self.decode_s_per_seq * len(self._active)
+                )
+            for request_id, act in list(self._active.items()):
+                event = self.event_at(act.req, act.position, act.length)
+                events.append(event)
+                act.position += 1
+                if event.finished:
+                    del self._active[request_id]
+            late = self._inbox.late_aborts()
+        return [e for e in events if e.request_id not in late]
+
+    def _sleep(self, seconds: float) -> None:
+        if self.time_scale > 0 and seconds > 0:
+            time.sleep(self.time_scale * seconds)

@@ -1,0 +1,267 @@
+"""The embedded CPU engine: any HF causal LM run by torch with a KV cache, in waves.
+
+Contract (see ``rollout_svc.engine``): token ids in, ``TokenEvent``s out, one token per active
+request per ``step()``; sampling is keyed by (seed, step, prompt, sample, position) so the
+output does not depend on batching or on where a response resumes. The engine knows nothing
+about NATS; it's purely token id sequences.
+
+Batching is by *waves*, the simplest scheme that is exactly right with one ``DynamicCache``:
+when nothing is active, up to ``max_batch`` queued requests are left-padded (prompt plus
+committed tokens), prefilled together, and then decoded one token per ``step()``. A request
+that finishes or is aborted stays in the batch as padding, emitting nothing, until the whole
+wave is done; requests added meanwhile wait for the next wave. Continuous batching would need
+per-row cache surgery, which a CPU engine for small models does not earn.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from rollout_svc.engine import (
+    EngineError,
+    GenRequest,
+    Inbox,
+    TokenEvent,
+    check_request,
+    finish_reason,
+    finished_on_arrival,
+)
+from shared.sampling import pick, uniform
+
+# Config keys that differ between two saves of the same architecture and must not force a
+# full reload when they do.
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+
+
+def sample_token(logits: torch.Tensor, req: GenRequest, position: int) -> int:
+    """The keyed draw of the design: inverse CDF of softmax(logits / T) in float64 on the CPU."""
+    row = logits.detach().to(device="cpu", dtype=torch.float64)
+    if req.temperature == 0:
+        return int(torch.argmax(row).item())  # first maximum on ties, like every argmax here
+    probs = torch.softmax(row / req.temperature, dim=-1)
+    cumulative: list[float] = torch.cumsum(probs, dim=-1).tolist()
+    u = uniform(req.seed, req.step, req.prompt_index, req.sample_index, position)
+    return pick(cumulative, u)
+
+
+@dataclass(slots=True)
+class _Row:
+    req: GenRequest
+    position: int  # response position of the token this row samples next
+    done: bool = False  # finished or aborted: padding until the wave ends
+
+
+@dataclass(slots=True)
+class _Wave:
+    rows: list[_Row]
+    cache: DynamicCache
+    mask: torch.Tensor  # (B, T) attention mask over everything fed so far, pads are 0
+    next_pos: torch.Tensor  # (B,) position id of the token each row feeds next
+    last: torch.Tensor  # (B,) the token each row feeds next (its last sampled one)
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        max_batch: int = 32,
+        dtype: torch.dtype | str = torch.float32,
+        threads: int | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise EngineError("max_batch must be >= 1")
+        resolved = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if not isinstance(resolved, torch.dtype):
+            raise EngineError(f"unknown dtype {dtype!r}")
+        if threads is not None:
+            # Process-wide, so only when asked and only at construction, never at import.
+            # For tiny models on a small shared CPU, threads=1 is several times faster: the
+            # intra-op pool's wake-ups cost more than the matmuls it splits.
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.dtype = resolved
+        self._model: Any = None  # a transformers PreTrainedModel; untyped upstream
+        self._loaded: tuple[str, int] | None = None
+        self._inbox = Inbox()
+        self._queue: deque[GenRequest] = deque()
+        self._wave: _Wave | None = None
+        self._stepping = threading.Lock()  # step, drain and load never overlap
+
+    # -- weights ---------------------------------------------------------------------------
+
+    @property
+    def loaded(self) -> tuple[str, int] | None:
+        return self._loaded
+
+    def load(self, model_dir: Path | None, run_id: str, version: int) -> None:
+        if model_dir is None:
+            raise EngineError("the torch engine needs a model directory")
+        with self._stepping:
+            if self._wave is not None or self._queue or self._inbox.pending_ids():
+                raise EngineError("cannot swap weights under queued or active requests")
+            if self._model is None or not self._swap_in_place(Path(model_dir)):
+                self._model = self._full_load(Path(model_dir))
+            self._loaded = (run_id, version)
+
+    def _full_load(self, model_dir: Path) -> Any:
+        try:
+            model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"cannot load model from {model_dir}: {exc}") from exc
+        return model.to(self.device).eval()
+
+    def _swap_in_place(self, model_dir: Path) -> bool:
+        """Copy a new checkpoint into the live model; False if only a full load will do."""
+        try:
+            config = AutoConfig.from_pretrained(model_dir).to_dict()
+        except (OSError, ValueError):
+            return False
+        current = self._model.config.to_dict()
+        for key in _VOLATILE_CONFIG_KEYS:
+            config.pop(key, None)
+            current.pop(key, None)
+        files = sorted(model_dir.glob("*.safetensors"))
+        if config != current or not files:
+            return False
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            state.update(load_file(file))
+        # Check the keys before copying anything, so a mismatch leaves the model untouched.
+        params = dict(self._model.state_dict(keep_vars=True))
+        if not set(state) <= set(params):
+            return False
+        # A key the checkpoint leaves out is fine only if it is tied to one it has
+        # (lm_head.weight shares embed_tokens.weight in tied models).
+        given = {params[k].data_ptr() for k in state}
+        if any(params[k].data_ptr() not in given for k in set(params) - set(state)):
+            return False
+        with torch.no_grad():
+            self._model.load_state_dict(state, strict=False)
+        return True
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(self, req: GenRequest) -> None:
+        check_request(req, self._loaded)
+        self._inbox.put(req)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.abort(request_id)
+
+    def has_work(self) -> bool:
+        active = self._wave is not None and not all(r.done for r in self._wave.rows)
+        return active or bool(self._queue) or bool(self._inbox.pending_ids())
+
+    def drain(self) -> list[str]:
+        with self._stepping:
+            ids = [r.req.request_id for r in self._wave.rows if not r.done] if self._wave else []
+            ids += [r.request_id for r in self._queue]
+            ids += self._inbox.clear()
+            self._wave = None
+            self._queue.clear()
+        return ids
+
+    # -- generation -------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        with self._stepping, torch.inference_mode():
+            events = self._admit()
+            if self._wave is not None and all(r.done for r in self._wave.rows):
+                self._wave = None  # frees the cache
+            if self._wave is None and self._queue:
+                events += self._prefill()
+            elif self._wave is not None:
+                events += self._decode()
+            late = self._inbox.late_aborts()
+        return [e for e in events if e.request_id not in late]
+
+    def _admit(self) -> list[TokenEvent]:
+        pending, aborted = self._inbox.take()
+        if aborted:
+            self._queue = deque(r for r in self._queue if r.request_id not in aborted)
+            for row in self._wave.rows if self._wave else []:
+                if row.req.request_id in aborted:
+                    row.done = True
+        events: list[TokenEvent] = []
+        for req in pending:
+            closing = finished_on_arrival(req)
+            if closing is None:
+                self._queue.append(req)
+            else:
+                events.append(closing)
+        return events
+
+    def _prefill(self) -> list[TokenEvent]:
+        reqs = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+        seqs = [r.prompt_token_ids + r.committed_token_ids for r in reqs]
+        width = max(len(s) for s in seqs)
+        # Left padding keeps every row's last token in the last column, where logits are read.
+        pad = [width - len(s) for s in seqs]
+        dev = self.device
+        ids = torch.tensor([[0] * p + s for p, s in zip(pad, seqs, strict=True)], device=dev)
+        mask = torch.tensor(
+            [[0] * p + [1] * len(s) for p, s in zip(pad, seqs, strict=True)], device=dev
+        )
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        rows = [_Row(r, len(r.committed_token_ids)) for r in reqs]
+        self._wave = _Wave(
+            rows=rows,
+            cache=out.past_key_values,
+            mask=mask,
+            next_pos=mask.sum(-1),
+            last=torch.zeros(len(rows), dtype=torch.long, device=dev),
+        )
+        return self._sample(out.logits[:, -1, :])
+
+    def _decode(self) -> list[TokenEvent]:
+        wave = self._wave
+        assert wave is not None
+        wave.mask = torch.cat([wave.mask, wave.mask.new_ones(len(wave.rows), 1)], dim=1)
+        out = self._model(
+            input_ids=wave.last[:, None],
+            attention_mask=wave.mask,
+            position_ids=wave.next_pos[:, None],
+            past_key_values=wave.cache,
+            use_cache=True,
+        )
+        wave.cache = out.past_key_values
+        wave.next_pos = wave.next_pos + 1
+        return self._sample(out.logits[:, -1, :])
+
+    def _sample(self, logits: torch.Tensor) -> list[TokenEvent]:
+        wave = self._wave
+        assert wave is not None
+        events: list[TokenEvent] = []
+        for i, row in enumerate(wave.rows):
+            if row.done:
+                continue  # padding: its logits are computed and ignored
+            token = sample_token(logits[i], row.req, row.position)
+            reason = finish_reason(row.req, token, row.position)
+            events.append(
+                TokenEvent(row.req.request_id, token, row.position, reason is not None, reason)
+            )
+            wave.last[i] = token
+            row.position += 1
+            row.done = reason is not None
+        if all(r.done for r in wave.rows):
+            self._wave = None
+        return events

@@ -1,0 +1,310 @@
+"""One rollout instance: join, pull the step's weights, generate, stream token chunks, leave.
+
+Contract: the instance holds nothing the system needs. Its work arrives as leased assignments;
+it streams every ``chunk_tokens`` tokens of each response to the durable chunk stream, stamped
+with the lease epoch, and renews its leases with each heartbeat. SIGTERM is a preemption
+notice: it stops taking work, commits what it has generated, hands its responses back and
+exits within the grace period. SIGKILL is safe too: its leases expire and its responses continue
+elsewhere from their last committed token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg as NatsMsg
+from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from rollout_svc.engine import Engine, EngineError, GenRequest
+from shared import names
+from shared.bus import connect_nats, request
+from shared.config import RolloutConfig
+from shared.errors import ProtocolError, RlboostError
+from shared.metrics import serve_metrics
+from shared.protocol import (
+    Ack,
+    Assign,
+    Assignment,
+    Heartbeat,
+    HeartbeatReply,
+    Held,
+    Release,
+    TokenChunk,
+    WeightsAnnounce,
+    decode,
+    encode,
+)
+from shared.weights_client import pull_version
+
+log = logging.getLogger("rollout")
+
+
+class RolloutMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.tokens = Counter("rlboost_rollout_tokens_generated_total", "Tokens generated",
+                              registry=self.registry)
+        self.chunks = Counter("rlboost_rollout_chunks_published_total", "Chunks published",
+                              registry=self.registry)
+        self.assigned = Counter("rlboost_rollout_assignments_total", "Responses assigned",
+                                registry=self.registry)
+        self.revoked = Counter("rlboost_rollout_revoked_total", "Responses whose lease was lost",
+                               registry=self.registry)
+        self.load_seconds = Histogram("rlboost_rollout_weight_load_seconds",
+                                      "Pull + load time of a weight version",
+                                      registry=self.registry)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A response this instance generates under a lease."""
+
+    assignment: Assignment
+    offset: int  # next response position to publish (committed tokens count)
+    buffer: list[int] = field(default_factory=list)
+    final: bool = False
+    finish_reason: str | None = None
+
+
+class RolloutService:
+    def __init__(self, cfg: RolloutConfig, engine: Engine) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.inflight: dict[str, InFlight] = {}
+        self.state = "starting"
+        self._loading: asyncio.Task[None] | None = None
+        self._target: tuple[str, int] | None = None  # what the manager last asked for
+        self._wake = asyncio.Event()
+        self._beat = asyncio.Event()  # set to send a heartbeat now rather than on the period
+        self._stop = asyncio.Event()
+        self._reason: str = "shutdown"
+        self.weights_dir = cfg.common.data_dir / "rollout" / cfg.instance_id
+        self.metrics = RolloutMetrics()
+        self.metrics_port = 0
+        self.nc: Nats
+        self.js: JetStreamContext
+
+    async def run(self) -> None:
+        common = self.cfg.common
+        self.metrics_port = serve_metrics(self.metrics.registry, common.metrics_addr,
+                                          common.metrics_port)
+        self.nc = await connect_nats(common.nats_url, self.cfg.instance_id)
+        self.js = self.nc.jetstream()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.notice, "preempt")
+        loop.add_signal_handler(signal.SIGINT, self.notice, "shutdown")
+        await self.nc.subscribe(names.assign_subject(self.cfg.instance_id), cb=self._on_assign)
+        await self.nc.subscribe(names.WEIGHTS_ANNOUNCE, cb=self._on_announce)
+        log.info("instance %s (%s, %s engine) joining", self.cfg.instance_id, self.cfg.kind,
+                 self.engine.name)
+        tasks = [asyncio.create_task(self._heartbeat_loop()),
+                 asyncio.create_task(self._generate_loop())]
+        stopper = asyncio.create_task(self._stop.wait())
+        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not stopper and task.exception():
+                log.error("background task died: %r", task.exception())
+        try:
+            await asyncio.wait_for(self._leave(tasks), timeout=max(self.cfg.grace_s, 1.0))
+        except TimeoutError:
+            log.warning("grace period of %.1fs ran out; leaving anyway", self.cfg.grace_s)
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+
+    def notice(self, reason: str = "preempt") -> None:
+        """Preemption notice (SIGTERM) or operator stop (SIGINT): drain and leave."""
+        if not self._stop.is_set():
+            log.info("%s notice: draining", reason)
+            self._reason = reason
+            self.state = "draining"
+            self._stop.set()
+            self._wake.set()
+
+    async def _leave(self, tasks: list[asyncio.Task[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.engine.drain()
+        # Commit whatever was generated, so the next owner resumes after it, not before.
+        for rid, item in list(self.inflight.items()):
+            if (item.buffer or item.final) and not await self._publish(rid, item, item.final):
+                break
+        held = [Held(request_id=rid, epoch=i.assignment.epoch) for rid, i in self.inflight.items()]
+        with contextlib.suppress(RlboostError):
+            await request(self.nc, names.RELEASE, Release(
+                instance_id=self.cfg.instance_id, held=held, leaving=True,
+                reason="preempt" if self._reason == "preempt" else "shutdown"), Ack, 2.0)
+        log.info("left; handed back %d responses", len(held))
+
+    # --- heartbeat and weights -------------------------------------------------------------
+
+    def _heartbeat(self) -> Heartbeat:
+        loaded = self.engine.loaded
+        return Heartbeat(
+            instance_id=self.cfg.instance_id, kind=self.cfg.kind, engine=self.engine.name,
+            state=self.state,  # type: ignore[arg-type]
+            run_id=loaded[0] if loaded else None, weight_version=loaded[1] if loaded else None,
+            held=[Held(request_id=r, epoch=i.assignment.epoch) for r, i in self.inflight.items()],
+            capacity=self.cfg.max_batch, pid=os.getpid(), metrics_port=self.metrics_port,
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                reply = await request(self.nc, names.HEARTBEAT, self._heartbeat(),
+                                      HeartbeatReply, timeout_s=max(1.0, self.cfg.heartbeat_s * 2))
+            except (RlboostError, ProtocolError) as exc:
+                log.debug("heartbeat: %s", exc)
+            else:
+                for rid in reply.revoke:
+                    if self.inflight.pop(rid, None) is not None:
+                        self.engine.abort(rid)
+                        self.metrics.revoked.inc()
+                        log.info("lease of %s lost; dropped it", rid)
+                if reply.target:
+                    self._target = (reply.target.run_id, reply.target.weight_version)
+                    self._want(*self._target)
+            self._beat.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._beat.wait(), self.cfg.heartbeat_s)
+
+    def _want(self, run_id: str, version: int) -> None:
+        """Start loading ``version`` unless it is loaded, being loaded, or we are leaving."""
+        if (run_id, version) != self.engine.loaded and self.state != "draining" \
+                and (self._loading is None or self._loading.done()):
+            self._loading = asyncio.create_task(self._load(run_id, version))
+
+    async def _on_announce(self, msg: NatsMsg) -> None:
+        """A new version exists: in synchronous training that means the step that used the
+        previous one is over, so pulling it now overlaps the pull with the trainer's report."""
+        try:
+            announce = decode(msg.data, WeightsAnnounce)
+        except ProtocolError as exc:
+            log.warning("dropped %s", exc)
+            return
+        loaded = self.engine.loaded
+        newer = loaded is not None and loaded[0] == announce.run_id and \
+            announce.weight_version > loaded[1] and not self.inflight
+        if newer or self._target == (announce.run_id, announce.weight_version):
+            self._want(announce.run_id, announce.weight_version)
+
+    async def _load(self, run_id: str, version: int) -> None:
+        """Pull the version (verified, atomic), then swap it into the engine."""
+        previous = self.state
+        self.state = "loading"
+        try:
+            common = self.cfg.common
+            path = await pull_version(common.weights_url, common.weights_token, run_id,
+                                      version, self.weights_dir, timeout_s=30.0)
+            with self.metrics.load_seconds.time():
+                await asyncio.to_thread(self.engine.load, path, run_id, version)
+        except Exception as exc:  # the next heartbeat retries; the instance stays usable
+            log.warning("loading %s v%d failed: %s", run_id, version, exc)
+            self.state = previous if previous != "loading" else "starting"
+            await asyncio.sleep(0.5)
+            return
+        self.state = "draining" if self._stop.is_set() else "ready"
+        self._beat.set()  # tell the manager at once: it dispatches only to ready instances
+        log.info("loaded %s v%d", run_id, version)
+        self._collect_old(run_id, version)
+
+    def _collect_old(self, run_id: str, version: int) -> None:
+        root = self.weights_dir / run_id
+        if not root.is_dir():
+            return
+        for child in root.iterdir():
+            if child.name.isdigit() and int(child.name) < version:
+                shutil.rmtree(child, ignore_errors=True)
+
+    # --- work ------------------------------------------------------------------------------
+
+    async def _on_assign(self, msg: NatsMsg) -> None:
+        try:
+            assign = decode(msg.data, Assign)
+        except ProtocolError as exc:
+            log.warning("dropped %s", exc)
+            return
+        for a in assign.items:
+            current = self.inflight.get(a.request_id)
+            if self.state != "ready" or (a.run_id, a.weight_version) != self.engine.loaded or \
+                    (current is not None and current.assignment.epoch >= a.epoch):
+                continue  # not reported in the next heartbeat, so the manager takes it back
+            if current is not None:
+                self.engine.abort(a.request_id)
+            try:
+                self.engine.add(self._request(a))
+            except EngineError as exc:  # e.g. a weight swap raced the check above
+                log.warning("refused %s: %s", a.request_id, exc)
+                continue
+            self.inflight[a.request_id] = InFlight(a, offset=len(a.committed_token_ids))
+            self.metrics.assigned.inc()
+        self._wake.set()
+
+    @staticmethod
+    def _request(a: Assignment) -> GenRequest:
+        return GenRequest(
+            request_id=a.request_id, prompt_token_ids=a.prompt_token_ids,
+            committed_token_ids=a.committed_token_ids, max_new_tokens=a.max_new_tokens,
+            temperature=a.temperature, seed=a.seed, step=a.step,
+            prompt_index=a.prompt_index, sample_index=a.sample_index,
+            eos_token_id=a.eos_token_id, weight_version=a.weight_version,
+        )
+
+    async def _generate_loop(self) -> None:
+        while True:
+            self._wake.clear()  # before the check, so an add() racing it still wakes us
+            if not self.engine.has_work():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                continue
+            events = await asyncio.to_thread(self.engine.step)
+            self.metrics.tokens.inc(len(events))
+            for ev in events:
+                item = self.inflight.get(ev.request_id)
+                if item is None:
+                    continue  # revoked while the step ran
+                # An engine re-reports the last committed token of a response that was already
+                # complete on arrival; only a token at the next position is new.
+                if ev.position == item.offset + len(item.buffer):
+                    item.buffer.append(ev.token_id)
+                if ev.finished:
+                    item.final, item.finish_reason = True, ev.finish_reason
+            for rid, item in list(self.inflight.items()):
+                if item.final or len(item.buffer) >= self.cfg.chunk_tokens:
+                    await self._publish(rid, item, final=item.final)
+
+    async def _publish(self, rid: str, item: InFlight, final: bool) -> bool:
+        a = item.assignment
+        chunk = TokenChunk(
+            request_id=rid, instance_id=self.cfg.instance_id, epoch=a.epoch,
+            weight_version=a.weight_version, offset=item.offset, token_ids=item.buffer,
+            final=final, finish_reason=item.finish_reason if final else None,  # type: ignore[arg-type]
+        )
+        for attempt in range(20):
+            try:
+                await self.js.publish(names.chunk_subject(a.run_id), encode(chunk), timeout=2.0)
+                break
+            except Exception as exc:  # broker restart: retry while the lease may still hold
+                log.warning("publishing a chunk of %s failed (%s); retrying", rid, exc)
+                await asyncio.sleep(min(0.1 * (attempt + 1), 1.0))
+        else:
+            # Could not commit: drop it; the manager re-dispatches from the last commit.
+            self.inflight.pop(rid, None)
+            self.engine.abort(rid)
+            return False
+        self.metrics.chunks.inc()
+        item.offset += len(item.buffer)
+        item.buffer = []
+        if final:
+            self.inflight.pop(rid, None)
+        return True

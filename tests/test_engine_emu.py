@@ -1,0 +1,173 @@
+"""EmuEngine: tokens and lengths are pure functions of the request, whatever the batching."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import pytest
+
+from rollout_svc.engine import EngineError, GenRequest, TokenEvent, create_engine
+from rollout_svc.engine_emu import EmuEngine
+
+EOS = 2
+
+
+def _req(p: int, s: int = 0, committed: list[int] | None = None, **kw: object) -> GenRequest:
+    fields: dict[str, object] = dict(
+        request_id=f"p{p}s{s}",
+        prompt_token_ids=list(range(5, 5 + p % 9 + 1)),
+        committed_token_ids=committed or [],
+        max_new_tokens=64,
+        temperature=1.0,
+        seed=3,
+        step=1,
+        prompt_index=p,
+        sample_index=s,
+        eos_token_id=EOS,
+        weight_version=1,
+    )
+    fields.update(kw)
+    return GenRequest(**fields)  # type: ignore[arg-type]
+
+
+def _engine(version: int = 1, **options: object) -> EmuEngine:
+    engine = EmuEngine(time_scale=0.0, **options)  # type: ignore[arg-type]
+    engine.load(None, "run", version)
+    return engine
+
+
+def _collect(engine: EmuEngine, out: dict[str, list[TokenEvent]]) -> None:
+    for event in engine.step():
+        out.setdefault(event.request_id, []).append(event)
+
+
+def _tokens(events: list[TokenEvent]) -> list[int]:
+    return [e.token_id for e in events]
+
+
+def test_tokens_do_not_depend_on_batching_or_join_time() -> None:
+    reqs = [_req(p, s) for p in range(12) for s in range(2)]
+    oracle = _engine()
+    # Small batches, requests trickling in one per step, some waiting for a free slot.
+    engine = _engine(max_batch=5)
+    out: dict[str, list[TokenEvent]] = {}
+    for req in reqs:
+        engine.add(req)
+        _collect(engine, out)
+    while engine.has_work():
+        _collect(engine, out)
+    for req in reqs:
+        events = out[req.request_id]
+        assert _tokens(events) == oracle.expected_tokens(req)
+        assert [e.position for e in events] == list(range(len(events)))
+        assert [e.finished for e in events].count(True) == 1 and events[-1].finished
+        last = events[-1]
+        assert (last.finish_reason == "stop") == (last.token_id == EOS)
+        assert EOS not in _tokens(events[:-1])
+
+
+def test_resume_from_any_committed_prefix() -> None:
+    engine = _engine()
+    for p in range(6):
+        full = engine.expected_tokens(_req(p))
+        for k in range(1, len(full) + 1):
+            moved = _req(p, committed=full[:k], request_id=f"p{p}@{k}")
+            engine.add(moved)
+            events: list[TokenEvent] = []
+            while engine.has_work():
+                events += engine.step()
+            if k == len(full):  # already complete: one closing event for the last token
+                assert [(e.position, e.token_id, e.finished) for e in events] == [
+                    (k - 1, full[-1], True)
+                ]
+            else:
+                assert _tokens(events) == full[k:]
+                assert events[0].position == k
+
+
+def test_lengths_are_long_tailed() -> None:
+    engine = _engine()
+    budget = 1024
+    reqs = [_req(p, s, max_new_tokens=budget) for p in range(1000) for s in range(2)]
+    lengths = [min(engine.natural_length(r), budget) for r in reqs]
+    assert statistics.median(lengths) < 0.5 * budget
+    assert 10 <= lengths.count(budget) <= 200  # a tail into the budget, not a wall
+    assert statistics.mean(lengths) > 1.3 * statistics.median(lengths)  # right-skewed
+    for req, length in zip(reqs[:40], lengths, strict=False):  # the oracle agrees
+        tokens = engine.expected_tokens(req)
+        assert len(tokens) == length
+        assert (tokens[-1] == EOS) == (engine.natural_length(req) <= budget)
+    capped = _engine(max_len_cap=100)
+    assert max(capped.natural_length(r) for r in reqs) == 100
+
+
+def test_weight_version_changes_tokens_and_is_enforced() -> None:
+    v1, v2 = _engine(1), _engine(2)
+    a = [v1.expected_tokens(_req(p)) for p in range(20)]
+    b = [v2.expected_tokens(_req(p, weight_version=2)) for p in range(20)]
+    assert all(x != y for x, y in zip(a, b, strict=True))
+    with pytest.raises(EngineError):
+        v1.add(_req(0, weight_version=2))
+    v1.add(_req(0))
+    with pytest.raises(EngineError):
+        v1.load(None, "run", 2)  # not under queued work
+    assert v1.drain() == ["p0s0"]
+    v1.load(None, "run", 2)
+    assert v1.loaded == ("run", 2)
+
+
+def test_time_scale_zero_is_instant_and_one_sleeps_the_model() -> None:
+    engine = _engine()
+    for p in range(50):
+        engine.add(_req(p, max_new_tokens=256))
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    assert steps > 20 and time.perf_counter() - start < 2.0
+    slow = EmuEngine(time_scale=1.0, decode_s_base=0.02, decode_s_per_seq=0.01, load_s=0.0)
+    slow.load(None, "run", 1)
+    slow.add(_req(0))
+    slow.add(_req(1))
+    start = time.perf_counter()
+    slow.step()
+    assert time.perf_counter() - start >= 0.02 + 0.01 * 2
+
+
+def test_abort_and_drain_from_another_thread() -> None:
+    engine = EmuEngine(
+        time_scale=1.0, decode_s_base=0.005, decode_s_per_seq=0.0, load_s=0.0, mean_len=1e9
+    )
+    engine.load(None, "run", 1)
+    for p in range(4):
+        engine.add(_req(p, max_new_tokens=10_000))  # outlives the test: only drain ends it
+    seen: list[TokenEvent] = []
+    aborted = threading.Event()
+    after_abort: list[TokenEvent] = []
+
+    def worker() -> None:
+        while engine.has_work():
+            events = engine.step()
+            (after_abort if aborted.is_set() else seen).extend(events)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.05)
+    engine.abort("p1s0")
+    aborted.set()
+    time.sleep(0.05)
+    assert sorted(engine.drain()) == ["p0s0", "p2s0", "p3s0"]
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert "p1s0" in {e.request_id for e in seen}
+    assert "p1s0" not in {e.request_id for e in after_abort}
+    assert {e.request_id for e in after_abort} == {"p0s0", "p2s0", "p3s0"}
+
+
+def test_create_engine_builds_emu() -> None:
+    engine = create_engine("emu", time_scale=0.0, load_s=0.0)
+    engine.load(None, "run", 7)
+    assert engine.name == "emu" and engine.loaded == ("run", 7)
