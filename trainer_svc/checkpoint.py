@@ -1,0 +1,86 @@
+"""The trainer's durable state for one run, under ``<data dir>/trainer/<run id>/``.
+
+Contract: ``v<k>.pt`` holds the policy and optimizer after k optimizer steps; ``hf-<k>/`` is
+the same policy as an HF model directory (what the weight service publishes); ``finish-<n>.json``
+is the report of step n. Every file is written to a temporary name and renamed, and the report
+of step n is written before checkpoint n+1, so a checkpoint on disk always has its report.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import msgspec
+import torch
+
+from shared.protocol import StepFinish
+
+# Tokenizer and generation files travel with every published version, unchanged from the base.
+_BASE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
+KEEP = 2
+
+
+class RunCheckpoints:
+    def __init__(self, root: Path, base_dir: Path) -> None:
+        self.root = root
+        self.base_dir = base_dir
+        root.mkdir(parents=True, exist_ok=True)
+
+    def hf_dir(self, version: int) -> Path:
+        return self.root / f"hf-{version}"
+
+    def _pt(self, version: int) -> Path:
+        return self.root / f"v{version}.pt"
+
+    def latest(self) -> int | None:
+        versions = [int(p.stem[1:]) for p in self.root.glob("v*.pt") if p.stem[1:].isdigit()]
+        return max(versions) if versions else None
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Load the newest checkpoint into ``model``/``optimizer``; 0 when there is none."""
+        version = self.latest()
+        if version is None:
+            return 0
+        state = torch.load(self._pt(version), map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if not self.hf_dir(version).is_dir():
+            self._save_hf(model, version)
+        return version
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, version: int) -> None:
+        self._save_hf(model, version)
+        tmp = self._pt(version).with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+        os.replace(tmp, self._pt(version))
+        for old in range(version - KEEP, -1, -1):
+            if not self._pt(old).exists() and not self.hf_dir(old).exists():
+                break
+            self._pt(old).unlink(missing_ok=True)
+            shutil.rmtree(self.hf_dir(old), ignore_errors=True)
+
+    def _save_hf(self, model: torch.nn.Module, version: int) -> None:
+        final = self.hf_dir(version)
+        tmp = self.root / f".hf-{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        for name in _BASE_FILES:
+            if (self.base_dir / name).is_file():
+                shutil.copy2(self.base_dir / name, tmp / name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+    def save_finish(self, report: StepFinish) -> None:
+        path = self.root / f"finish-{report.step}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(report))
+        os.replace(tmp, path)
+
+    def load_finish(self, step: int) -> StepFinish | None:
+        path = self.root / f"finish-{step}.json"
+        if not path.is_file():
+            return None
+        return msgspec.json.decode(path.read_bytes(), type=StepFinish)
