@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 import uvicorn
 
 from shared.config import WeightsConfig, url_port
+from shared.logs import setup_logging
+from shared.process import die_with_parent
 from weight_svc.app import create_app
 from weight_svc.store import StoreLimits
 
@@ -38,11 +40,10 @@ def bind_host(url: str) -> str:
 
 
 def main() -> None:
+    die_with_parent()
     cfg = WeightsConfig.from_env()
     limits = StoreLimits.from_env()
-    logging.basicConfig(
-        level=cfg.common.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(cfg.common.log_level, "weights")
     host, port = bind_host(cfg.common.weights_url), url_port(cfg.common.weights_url, DEFAULT_PORT)
     log.info(
         "weight service config: %s keep_last=%d token=%s chunk_bytes=%d max_file_bytes=%d "

@@ -1,0 +1,196 @@
+"""The ``rlboost`` command: every service as a subcommand, plus ``up`` (the embedded stack),
+``submit`` and ``status`` for talking to a running manager.
+
+    rlboost up [--seed N] [--steps N] [--spot 2] [--reserved 1]   start all, run, summarise, stop
+    rlboost manager | weights | trainer | rollout                 one service (same as python -m)
+    rlboost submit [--spec FILE | --set key=value ...]            POST /v1/runs
+    rlboost status [RUN_ID]                                       GET /v1/runs[/RUN_ID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rlboost.launcher import Cluster
+
+
+def _headers() -> dict[str, str]:
+    token = os.environ.get("RLBOOST_API_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _manager_url() -> str:
+    return os.environ.get("RLBOOST_MANAGER_URL", "http://127.0.0.1:8000")
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    spec: dict[str, Any] = json.loads(Path(args.spec).read_text()) if args.spec else {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        spec[key] = _parse_value(value)
+    return spec
+
+
+class Progress:
+    """Prints one line per finished step and a final summary; tolerant of a slow manager."""
+
+    def __init__(self, client: httpx.Client, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.shown = 0
+        self.started = time.monotonic()
+
+    def poll(self) -> dict[str, Any]:
+        run: dict[str, Any] = self.client.get(f"/v1/runs/{self.run_id}").json()
+        steps = self.client.get(f"/v1/runs/{self.run_id}/steps").json()
+        instances = self.client.get("/v1/instances").json()
+        alive = sum(1 for i in instances if i.get("state") in ("ready", "loading", "starting"))
+        for rec in steps[self.shown:]:
+            rate = rec["tokens"] / rec["step_s"] if rec["step_s"] > 0 else 0.0
+            print(f"step {rec['step'] + 1:>3}/{run['steps']}  reward {rec['reward_mean']:.3f}  "
+                  f"tokens {rec['tokens']:>5}  {rate:7.0f} tok/s  step {rec['step_s']:5.2f}s  "
+                  f"instances {alive}  migrations {rec['migrations']}", flush=True)
+        self.shown = len(steps)
+        run["_steps"] = steps
+        return run
+
+    def summary(self, run: dict[str, Any]) -> dict[str, float]:
+        steps = run["_steps"]
+        rewards = [s["reward_mean"] for s in steps]
+        k = min(5, len(rewards))
+        first = sum(rewards[:k]) / k if k else 0.0
+        last = sum(rewards[-k:]) / k if k else 0.0
+        tokens = sum(s["tokens"] for s in steps)
+        elapsed = time.monotonic() - self.started
+        print(f"\nrun {self.run_id}: {run['state']} after {len(steps)} steps in {elapsed:.1f}s")
+        print(f"  mean reward, first {k} steps: {first:.3f}")
+        print(f"  mean reward, last {k} steps:  {last:.3f}   (change {last - first:+.3f})")
+        print(f"  tokens trained: {tokens}   responses: {sum(s['responses'] for s in steps)}")
+        for key in ("migrations", "preemptions", "duplicate_chunks_dropped",
+                    "stale_chunks_rejected", "tokens_regenerated"):
+            print(f"  {key}: {sum(s[key] for s in steps)}")
+        return {"first": first, "last": last}
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    root = Path(args.root).resolve()
+    cluster = Cluster(root, spot=args.spot, reserved=args.reserved, engine=args.engine)
+    print(f"rlboost: starting the embedded stack under {root} (logs in {root / 'logs'})",
+          flush=True)
+    try:
+        cluster.start()
+        print(f"  manager {cluster.env['RLBOOST_MANAGER_URL']}  weights "
+              f"{cluster.env['RLBOOST_WEIGHTS_URL']}  nats {cluster.env['RLBOOST_NATS_URL']}  "
+              f"redis {cluster.env['RLBOOST_REDIS_URL']}", flush=True)
+        spec: dict[str, Any] = {"seed": args.seed, **_spec_from_args(args)}
+        if args.steps:
+            spec["steps"] = args.steps
+        with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], headers=_headers(),
+                          timeout=10.0) as client:
+            resp = client.post("/v1/runs", json=spec)
+            resp.raise_for_status()
+            run_id = resp.json()["id"]
+            print(f"submitted {run_id}: {json.dumps(spec)}", flush=True)
+            progress = Progress(client, run_id)
+            deadline = time.monotonic() + args.timeout
+            while True:
+                run = progress.poll()
+                if run["state"] in ("succeeded", "failed", "cancelled"):
+                    break
+                dead = cluster.dead()
+                if dead:
+                    raise RuntimeError(f"{dead[0].name} died:\n{dead[0].tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"run did not finish in {args.timeout}s")
+                time.sleep(0.5)
+            result = progress.summary(run)
+            if run["state"] != "succeeded":
+                print(f"run {run['state']}: {run.get('error')}", file=sys.stderr)
+                return 1
+            if args.require_gain is not None and result["last"] - result["first"] < \
+                    args.require_gain:
+                print(f"reward gain below {args.require_gain}", file=sys.stderr)
+                return 1
+            return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping everything", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"rlboost up failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    resp = httpx.post(f"{_manager_url()}/v1/runs", json=_spec_from_args(args), headers=_headers())
+    print(json.dumps(resp.json(), indent=2))
+    return 0 if resp.status_code == 201 else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    path = f"/v1/runs/{args.run_id}" if args.run_id else "/v1/runs"
+    resp = httpx.get(_manager_url() + path, headers=_headers())
+    print(json.dumps(resp.json(), indent=2))
+    return 0 if resp.status_code == 200 else 1
+
+
+def _service(module: str) -> int:
+    import importlib
+
+    importlib.import_module(f"{module}.__main__").main()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlboost", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start everything on the embedded stack and run one RL run")
+    up.add_argument("--seed", type=int, default=0)
+    up.add_argument("--steps", type=int, default=0, help="0 = the run spec's default")
+    up.add_argument("--spot", type=int, default=2)
+    up.add_argument("--reserved", type=int, default=1)
+    up.add_argument("--engine", default="torch", choices=["torch", "emu"])
+    up.add_argument("--spec", help="JSON file with run spec fields")
+    up.add_argument("--set", action="append", metavar="KEY=VALUE", help="one run spec field")
+    up.add_argument("--root", default=".rlboost")
+    up.add_argument("--timeout", type=float, default=600.0)
+    up.add_argument("--require-gain", type=float, default=None,
+                    help="exit 1 unless last-5 mean reward exceeds first-5 by this much")
+    for name, module in (("manager", "manager_svc"), ("weights", "weight_svc"),
+                         ("trainer", "trainer_svc"), ("rollout", "rollout_svc")):
+        sub.add_parser(name, help=f"run the {module} service (= python -m {module})") \
+            .set_defaults(module=module)
+    submit = sub.add_parser("submit", help="submit a run to RLBOOST_MANAGER_URL")
+    submit.add_argument("--spec", help="JSON file with the run spec")
+    submit.add_argument("--set", action="append", metavar="KEY=VALUE")
+    status = sub.add_parser("status", help="show runs, or one run")
+    status.add_argument("run_id", nargs="?")
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        return cmd_up(args)
+    if args.command == "submit":
+        return cmd_submit(args)
+    if args.command == "status":
+        return cmd_status(args)
+    return _service(args.module)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

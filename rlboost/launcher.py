@@ -1,0 +1,151 @@
+"""``rlboost up``: the whole system on one machine, on the embedded brokers, as real processes.
+
+Contract: starts ``nats-server -js`` and ``redis-server`` from the venv (unless
+RLBOOST_NATS_URL / RLBOOST_REDIS_URL are set), then the manager, the weight service, the
+trainer and the rollout instances, each as its own ``python -m <service>`` process with the
+design's environment variables. Every child dies with the launcher (SIGTERM on the way out,
+SIGKILL after a grace period, and the kernel's parent-death signal if the launcher is killed:
+see :mod:`shared.process`),
+so nothing is left running, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.stack import Stack, child_env, free_port, wait_port
+
+
+def _port_or_free(preferred: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            return free_port()
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=child_env(self.env), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Cluster:
+    """The processes of one embedded deployment, in start order."""
+
+    root: Path
+    spot: int = 2
+    reserved: int = 1
+    engine: str = "torch"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    base_env: dict[str, str] | None = None  # default: the RLBOOST_* variables of this process
+    stack: Stack | None = None
+    children: list[Child] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        logs = self.root / "logs"
+        env = dict(self.base_env) if self.base_env is not None else {
+            k: v for k, v in os.environ.items() if k.startswith("RLBOOST_")}
+        env.setdefault("RLBOOST_DATA_DIR", str(self.root / "data"))
+        if not env.get("RLBOOST_NATS_URL") or not env.get("RLBOOST_REDIS_URL"):
+            self.stack = Stack.create(self.root / "brokers")
+            self.stack.start()
+            for key, value in self.stack.env().items():
+                env.setdefault(key, value)
+        env.setdefault("RLBOOST_MANAGER_URL", f"http://127.0.0.1:{_port_or_free(8000)}")
+        env.setdefault("RLBOOST_WEIGHTS_URL", f"http://127.0.0.1:{_port_or_free(8001)}")
+        # Four torch processes share two cores: one intra-op thread each avoids thrashing.
+        env.setdefault("RLBOOST_TORCH_THREADS", "1")
+        env["RLBOOST_PARENT_PID"] = str(os.getpid())  # children exit if we die (shared.process)
+        env.update(self.extra_env)
+        self.env = env
+        py = sys.executable
+        self._spawn("weights", [py, "-m", "weight_svc"], {}, logs)
+        self._spawn("manager", [py, "-m", "manager_svc"], {}, logs)
+        self.wait_http(env["RLBOOST_MANAGER_URL"])
+        self.wait_http(env["RLBOOST_WEIGHTS_URL"])
+        self._spawn("trainer", [py, "-m", "trainer_svc"], {}, logs)
+        for kind, count in (("reserved", self.reserved), ("spot", self.spot)):
+            for i in range(count):
+                self.add_instance(kind, f"{kind}-{i}")
+
+    def add_instance(self, kind: str, instance_id: str) -> Child:
+        return self._spawn(instance_id, [sys.executable, "-m", "rollout_svc"], {
+            "RLBOOST_INSTANCE_KIND": kind, "RLBOOST_INSTANCE_ID": instance_id,
+            "RLBOOST_ENGINE": self.env.get("RLBOOST_ENGINE", self.engine),
+        }, self.root / "logs")
+
+    def _spawn(self, name: str, argv: list[str], extra: dict[str, str], logs: Path) -> Child:
+        child = Child(name, argv, {**self.env, **extra}, logs / f"{name}.log")
+        child.start()
+        self.children.append(child)
+        return child
+
+    def wait_http(self, url: str, timeout_s: float = 60.0) -> None:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            dead = [c for c in self.children if not c.alive()]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited during start-up:\n{dead[0].tail()}")
+            try:
+                wait_port(port, timeout_s=0.5)
+                return
+            except TimeoutError:
+                continue
+        raise TimeoutError(f"{url} did not come up in {timeout_s}s")
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.proc is not None and not c.alive()]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Rollouts and trainer first (they hand work back), then manager, weights, brokers."""
+        for child in reversed(self.children):
+            child.signal(signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        for child in reversed(self.children):
+            if child.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=max(0.1, end - time.monotonic()))
+                child.signal(signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=5)
+        if self.stack is not None:
+            self.stack.stop()
