@@ -11,9 +11,11 @@ from manager_svc.app import create_app
 from manager_svc.service import ManagerService
 from shared.config import ManagerConfig, url_port
 from shared.logs import setup_logging
+from shared.process import die_with_parent
 
 
 def main() -> None:
+    die_with_parent()
     cfg = ManagerConfig.from_env()
     setup_logging(cfg.common.log_level, "manager")
     host = urlparse(cfg.common.manager_url).hostname or "127.0.0.1"

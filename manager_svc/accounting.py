@@ -116,7 +116,8 @@ redis.call('HSET', req, 'owner', ARGV[2], 'assigned_at', ARGV[4])
 return {epoch, st[3] or '', st[4]}
 """
 
-# KEYS: req, lease, pending, leased | ARGV: rid, expected_epoch ('' = any), held_prefix
+# KEYS: req, lease, pending, leased, step | ARGV: rid, expected_epoch ('' = any), held_prefix,
+# mode ('token': the next owner resumes after the committed tokens; 'request': it starts over)
 _REVOKE = _COMMON + """
 local req = KEYS[1]
 if redis.call('HGET', req, 'done') == '1' then return 0 end
@@ -127,6 +128,26 @@ redis.call('HINCRBY', req, 'epoch', 1)
 redis.call('DEL', KEYS[2])
 release_owner(req, ARGV[1], ARGV[3])
 redis.call('SMOVE', KEYS[4], KEYS[3], ARGV[1])
+-- Waste: what the owner was last seen to have generated beyond the commit is lost; in
+-- request mode the committed tokens are thrown away too.
+local n = tonumber(redis.call('HGET', req, 'n'))
+local seen = tonumber(redis.call('HGET', req, 'seen') or '0')
+local waste = math.max(0, seen - n)
+if ARGV[4] == 'request' and n > 0 then
+  waste = math.max(seen, n)
+  redis.call('HSET', req, 'tokens', '', 'n', 0, 'instances', '', 'last', '')
+  redis.call('HINCRBY', KEYS[5], 'tokens', -n)
+end
+redis.call('HSET', req, 'seen', 0)
+redis.call('HINCRBY', KEYS[5], 'tokens_regenerated', waste)
+return 1
+"""
+
+# KEYS: lease, req | ARGV: "<instance>:<epoch>", ttl_ms, generated
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[2], 'seen', ARGV[3])
 return 1
 """
 
@@ -148,12 +169,14 @@ class CommitResult:
 class Ledger:
     """The manager's view of responses; stateless itself, everything lives in Redis."""
 
-    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float, migration: str = "token") -> None:
         self.r = redis
+        self.migration = migration  # "token" (resume) or "request" (restart: the ablation)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self._commit = redis.register_script(_COMMIT)
         self._assign = redis.register_script(_ASSIGN)
         self._revoke = redis.register_script(_REVOKE)
+        self._renew = redis.register_script(_RENEW)
         self._held_prefix = Keys.instance("")
 
     async def create_step(
@@ -178,7 +201,7 @@ class Ledger:
                 pipe.hset(Keys.request(rid), mapping={
                     "run": run_id, "step": step, "p": p, "s": s, "version": version,
                     "prompt": _csv(prompt), "tokens": "", "n": 0, "epoch": 0, "owner": "",
-                    "done": "0", "finish": "", "instances": "", "last": "",
+                    "done": "0", "finish": "", "instances": "", "last": "", "seen": 0,
                     "max": max_new_tokens,
                 })
                 pipe.sadd(Keys.pending(run_id, step), rid)
@@ -222,17 +245,17 @@ class Ledger:
         run_id, step, _, _ = parse_request_id(rid)
         done = await self._revoke(
             keys=[Keys.request(rid), Keys.lease(rid), Keys.pending(run_id, step),
-                  Keys.leased(run_id, step)],
-            args=[rid, "" if expected_epoch is None else expected_epoch, self._held_prefix],
+                  Keys.leased(run_id, step), Keys.step(run_id, step)],
+            args=[rid, "" if expected_epoch is None else expected_epoch, self._held_prefix,
+                  self.migration],
         )
         return bool(done)
 
-    async def renew(self, rid: str, instance_id: str, epoch: int) -> bool:
+    async def renew(self, rid: str, instance_id: str, epoch: int, generated: int = 0) -> bool:
         """Extend a lease held by ``instance_id`` at ``epoch``; False if it is not theirs."""
-        key = Keys.lease(rid)
-        if await self.r.get(key) != f"{instance_id}:{epoch}":
-            return False
-        return bool(await self.r.pexpire(key, self.lease_ttl_ms))
+        renewed = await self._renew(keys=[Keys.lease(rid), Keys.request(rid)],
+                                    args=[f"{instance_id}:{epoch}", self.lease_ttl_ms, generated])
+        return bool(renewed)
 
     async def samples(self, rids: list[str]) -> list[Sample]:
         pipe = self.r.pipeline(transaction=False)

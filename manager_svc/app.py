@@ -101,7 +101,7 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
     @app.get("/v1/runs/{run_id}/steps", dependencies=[Depends(auth)])
     async def run_steps(run_id: str) -> list[dict[str, Any]]:
         await run_or_404(run_id)
-        return await service.runs.steps(run_id)
+        return await service.step_records(run_id)
 
     @app.get("/v1/runs/{run_id}/steps/{step}/samples", dependencies=[Depends(auth)])
     async def step_samples(run_id: str, step: int) -> list[dict[str, Any]]:

@@ -22,8 +22,9 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg as NatsMsg
 from nats.js.api import AckPolicy, ConsumerConfig
+from redis.exceptions import RedisError
 
-from manager_svc.accounting import Ledger
+from manager_svc.accounting import CommitResult, Ledger
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from shared import names
@@ -41,6 +42,7 @@ from shared.protocol import (
     Heartbeat,
     HeartbeatReply,
     Release,
+    Revoke,
     RunFailed,
     StepFinish,
     StepSamples,
@@ -58,6 +60,10 @@ log = logging.getLogger("manager")
 M = TypeVar("M", bound=msgspec.Struct)
 # An assignment the instance has not confirmed in a heartbeat after this long is taken back.
 LOST_ASSIGNMENT_S = 1.5
+# Do not move work off the same instance more often than this: moved work needs a moment to land.
+REBALANCE_COOLDOWN_S = 1.0
+LIVE_COUNTERS = ("migrations", "preemptions", "duplicate_chunks_dropped", "stale_chunks_rejected",
+                 "tokens_regenerated")
 
 
 class ManagerService:
@@ -67,6 +73,7 @@ class ManagerService:
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
         self._stopping = False
+        self._rebalanced: dict[str, float] = {}  # soft state: last rebalance per instance
         self.redis: aioredis.Redis
         self.nc: Nats
         self.ledger: Ledger
@@ -77,7 +84,7 @@ class ManagerService:
     async def start(self) -> None:
         self.redis = await connect_redis(self.cfg.common.redis_url)
         self.nc = await connect_nats(self.cfg.common.nats_url, "manager")
-        self.ledger = Ledger(self.redis, self.cfg.lease_ttl_s)
+        self.ledger = Ledger(self.redis, self.cfg.lease_ttl_s, self.cfg.migration)
         self.runs = RunStore(self.redis)
         js = self.nc.jetstream()
         await ensure_chunk_stream(js)
@@ -131,6 +138,10 @@ class ManagerService:
             else:
                 try:
                     reply = await handler(request)
+                except RedisError as exc:  # Redis restarting: the sender should try again
+                    self.metrics.handler_errors.labels(subject).inc()
+                    log.warning("%s: state store unavailable (%s)", subject, exc)
+                    reply = Ack(ok=False, detail="state store unavailable", retryable=True)
                 except Exception as exc:
                     self.metrics.handler_errors.labels(subject).inc()
                     log.exception("handler for %s failed", subject)
@@ -171,7 +182,7 @@ class ManagerService:
             reported.add(held.request_id)
             wrong_run = target is None or not held.request_id.startswith(target[0] + ":")
             if wrong_run or not await self.ledger.renew(held.request_id, hb.instance_id,
-                                                        held.epoch):
+                                                        held.epoch, held.generated):
                 revoke.append(held.request_id)
         now = time.time()
         for rid in server_held - reported:
@@ -179,6 +190,7 @@ class ManagerService:
             if assigned and now - float(assigned) > LOST_ASSIGNMENT_S and \
                     await self.ledger.revoke(rid):
                 self.metrics.revocations.labels("lost").inc()
+                log.info("%s never reached %s; taken back", rid, hb.instance_id)
         return HeartbeatReply(
             target=Target(run_id=target[0], weight_version=target[1]) if target else None,
             revoke=revoke,
@@ -280,6 +292,7 @@ class ManagerService:
         for rid, alive in zip(leased, await pipe.execute(), strict=True):
             if not alive and await self.ledger.revoke(rid):
                 self.metrics.revocations.labels("expired").inc()
+                log.info("lease of %s expired; taken back", rid)
 
     async def dispatch_once(self) -> int:
         """Lease pending responses of the active step to ready instances; returns how many."""
@@ -322,7 +335,41 @@ class ManagerService:
                 self.metrics.assignments.inc(len(batch))
                 await self.nc.publish(names.assign_subject(inst["id"]), encode(Assign(items=batch)))
                 sent += len(batch)
+        if not queue and self.cfg.rebalance_skew:
+            await self._rebalance(run_id, version)
         return sent
+
+    async def _rebalance(self, run_id: str, version: int) -> None:
+        """Token-level load balancing: when the busiest instance holds more than
+        ``rebalance_skew`` responses over the idlest (an instance joined mid-step, or its
+        responses ran long), move half the difference, least-advanced responses first. They
+        continue from their committed tokens on the next dispatch, by the migration path."""
+        ready = [i for i in await self.instances() if i["state"] == "ready"
+                 and i["run_id"] == run_id and i["weight_version"] == version]
+        if len(ready) < 2:
+            return
+        ready.sort(key=lambda i: i["held"])
+        idle, busy = ready[0], ready[-1]
+        now = time.monotonic()
+        if busy["held"] - idle["held"] <= self.cfg.rebalance_skew or \
+                now - self._rebalanced.get(busy["id"], 0.0) < REBALANCE_COOLDOWN_S:
+            return
+        self._rebalanced[busy["id"]] = now
+        held = sorted(await self.redis.smembers(Keys.instance_held(busy["id"])))
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in held:
+            pipe.hget(Keys.request(rid), "n")
+        progress = [int(n or 0) for n in await pipe.execute()]
+        move = [rid for _, rid in sorted(zip(progress, held, strict=True))]
+        move = move[:(busy["held"] - idle["held"]) // 2]
+        moved = [rid for rid in move if await self.ledger.revoke(rid)]
+        if moved:
+            self.metrics.revocations.labels("rebalance").inc(len(moved))
+            await self.nc.publish(names.assign_subject(busy["id"]),
+                                  encode(Revoke(request_ids=moved)))
+            log.info("moving %d responses off %s (holds %d, %s holds %d)", len(moved),
+                     busy["id"], busy["held"], idle["id"], idle["held"])
+            self._wake.set()
 
     # --- chunks and the barrier ------------------------------------------------------------
 
@@ -355,12 +402,14 @@ class ManagerService:
             log.warning("dropped chunk: %s", exc)
             await msg.term()
             return
-        result = await self.ledger.commit(chunk)
+        result = await self._commit(chunk)
         self.metrics.chunks.labels(result.status).inc()
         if result.status in ("ok", "final", "group", "step"):
             self.metrics.tokens.inc(len(chunk.token_ids))
         elif result.status in ("gap", "wrong_version", "overlong"):
             self.metrics.revocations.labels(result.status).inc()
+            log.info("chunk of %s from %s: %s; taken back", chunk.request_id,
+                     chunk.instance_id, result.status)
             self._wake.set()
         if result.status in ("group", "step"):
             run_id, step, prompt, _ = names.parse_request_id(chunk.request_id)
@@ -372,6 +421,18 @@ class ManagerService:
             if result.status == "step":
                 await self._barrier(run_id, step)
         await msg.ack()
+
+    async def _commit(self, chunk: TokenChunk) -> CommitResult:
+        """Commit, waiting out a Redis restart: the stream keeps later chunks in order behind
+        this one, so retrying here (not nak-ing) is what keeps every offset in sequence."""
+        delay = 0.05
+        while True:
+            try:
+                return await self.ledger.commit(chunk)
+            except RedisError as exc:
+                log.warning("commit waits for Redis: %s", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def _barrier(self, run_id: str, step: int) -> None:
         """Every response of the step is complete, once: freeze the digest and announce it."""
@@ -456,9 +517,7 @@ class ManagerService:
             "train_s": fin.train_s, "trainer_idle_s": fin.trainer_idle_s,
             "rollout_idle_s": 0.0, "seeding_window_s": 0.0, "loss": fin.loss,
             "instances": len(await self.instances()),
-            **{k: int(info.get(k, 0)) for k in (
-                "migrations", "preemptions", "duplicate_chunks_dropped",
-                "stale_chunks_rejected", "tokens_regenerated")},
+            **{k: int(info.get(k, 0)) for k in LIVE_COUNTERS},
         }
         await self.runs.finish_step(fin.run_id, fin.step, record,
                                     msgspec.json.encode(samples).decode(), run["steps"])
@@ -485,6 +544,19 @@ class ManagerService:
             if await self.redis.get(Keys.active) == run_id:
                 await self.redis.delete(Keys.active)
         return await self.runs.get(run_id)
+
+    async def step_records(self, run_id: str) -> list[dict[str, Any]]:
+        """Finished-step records with their fault counters read live: a zombie that wakes
+        after its step finished still has its rejected chunks counted against that step."""
+        records = await self.runs.steps(run_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for rec in records:
+            pipe.hmget(Keys.step(run_id, rec["step"]), list(LIVE_COUNTERS))
+        for rec, values in zip(records, await pipe.execute(), strict=True):
+            for key, value in zip(LIVE_COUNTERS, values, strict=True):
+                if value is not None:
+                    rec[key] = int(value)
+        return records
 
     async def step_progress(self, run_id: str, step: int) -> dict[str, Any]:
         info = await self.redis.hgetall(Keys.step(run_id, step))

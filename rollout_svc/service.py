@@ -31,15 +31,16 @@ from shared.errors import ProtocolError, RlboostError
 from shared.metrics import serve_metrics
 from shared.protocol import (
     Ack,
-    Assign,
     Assignment,
     Heartbeat,
     HeartbeatReply,
     Held,
     Release,
+    Revoke,
     TokenChunk,
     WeightsAnnounce,
     decode,
+    decode_command,
     encode,
 )
 from shared.weights_client import pull_version
@@ -79,6 +80,10 @@ class RolloutService:
         self.cfg = cfg
         self.engine = engine
         self.inflight: dict[str, InFlight] = {}
+        # Responses whose final chunk is published but maybe not yet committed: they stay in the
+        # heartbeat (keeping their lease alive) until the manager answers that the lease is
+        # gone, so a slow commit is never mistaken for a lost assignment.
+        self.finished: dict[str, int] = {}
         self.state = "starting"
         self._loading: asyncio.Task[None] | None = None
         self._target: tuple[str, int] | None = None  # what the manager last asked for
@@ -154,7 +159,9 @@ class RolloutService:
             instance_id=self.cfg.instance_id, kind=self.cfg.kind, engine=self.engine.name,
             state=self.state,  # type: ignore[arg-type]
             run_id=loaded[0] if loaded else None, weight_version=loaded[1] if loaded else None,
-            held=[Held(request_id=r, epoch=i.assignment.epoch) for r, i in self.inflight.items()],
+            held=[Held(request_id=r, epoch=i.assignment.epoch,
+                       generated=i.offset + len(i.buffer)) for r, i in self.inflight.items()]
+            + [Held(request_id=r, epoch=e) for r, e in self.finished.items()],
             capacity=self.cfg.max_batch, pid=os.getpid(), metrics_port=self.metrics_port,
         )
 
@@ -167,6 +174,7 @@ class RolloutService:
                 log.debug("heartbeat: %s", exc)
             else:
                 for rid in reply.revoke:
+                    self.finished.pop(rid, None)
                     if self.inflight.pop(rid, None) is not None:
                         self.engine.abort(rid)
                         self.metrics.revoked.inc()
@@ -230,11 +238,17 @@ class RolloutService:
 
     async def _on_assign(self, msg: NatsMsg) -> None:
         try:
-            assign = decode(msg.data, Assign)
+            command = decode_command(msg.data)
         except ProtocolError as exc:
             log.warning("dropped %s", exc)
             return
-        for a in assign.items:
+        if isinstance(command, Revoke):
+            for rid in command.request_ids:
+                if self.inflight.pop(rid, None) is not None:
+                    self.engine.abort(rid)
+                    self.metrics.revoked.inc()
+            return
+        for a in command.items:
             current = self.inflight.get(a.request_id)
             if self.state != "ready" or (a.run_id, a.weight_version) != self.engine.loaded or \
                     (current is not None and current.assignment.epoch >= a.epoch):
@@ -307,4 +321,5 @@ class RolloutService:
         item.buffer = []
         if final:
             self.inflight.pop(rid, None)
+            self.finished[rid] = a.epoch
         return True

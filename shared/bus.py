@@ -16,6 +16,7 @@ import msgspec
 import nats
 import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
@@ -23,8 +24,8 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from shared import names
-from shared.errors import PeerTimeout
-from shared.protocol import decode, encode
+from shared.errors import PeerError, PeerTimeout, ProtocolError
+from shared.protocol import Ack, decode, encode
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -93,4 +94,13 @@ async def request(
         reply = await nc.request(subject, encode(msg), timeout=timeout_s)
     except (TimeoutError, NatsTimeout, NoRespondersError):
         raise PeerTimeout(subject, timeout_s) from None
-    return decode(reply.data, reply_type)
+    except NatsError as exc:  # disconnected, reconnecting, closed: the bus will come back
+        raise PeerTimeout(f"{subject} ({type(exc).__name__})", timeout_s) from None
+    try:
+        return decode(reply.data, reply_type)
+    except ProtocolError:
+        # A handler that failed answers with an Ack instead of the expected reply.
+        ack = decode(reply.data, Ack)
+        if ack.ok:
+            raise
+        raise PeerError(subject, ack.detail, ack.retryable) from None

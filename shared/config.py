@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 from shared.errors import ConfigError
@@ -58,6 +58,13 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> i
     return value
 
 
+def _choice(env: Mapping[str, str], name: str, default: str, options: tuple[str, ...]) -> Any:
+    value = env.get(name) or default
+    if value not in options:
+        raise ConfigError(name, f"one of {', '.join(options)}, got {value!r}")
+    return value
+
+
 def url_port(url: str, default: int) -> int:
     """The port a service listens on: the one in its own URL variable."""
     return urlparse(url).port or default
@@ -76,6 +83,7 @@ class Common:
     torch_threads: int | None  # RLBOOST_TORCH_THREADS: intra-op threads of torch services
     metrics_addr: str  # RLBOOST_METRICS_ADDR: where trainer/rollout serve /metrics
     metrics_port: int  # RLBOOST_METRICS_PORT: 0 = any free port
+    emu_time_scale: float  # RLBOOST_EMU_TIME_SCALE: multiplies every modelled GPU time
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Common:
@@ -89,6 +97,7 @@ class Common:
             torch_threads=_int(env, "RLBOOST_TORCH_THREADS", 0, 0) or None,
             metrics_addr=env.get("RLBOOST_METRICS_ADDR") or "127.0.0.1",
             metrics_port=_int(env, "RLBOOST_METRICS_PORT", 0, 0),
+            emu_time_scale=_float(env, "RLBOOST_EMU_TIME_SCALE", 1.0, 0.0),
             data_dir=Path(env.get("RLBOOST_DATA_DIR") or "./data").resolve(),
             log_level=(env.get("RLBOOST_LOG_LEVEL") or "INFO").upper(),
         )
@@ -108,6 +117,8 @@ class ManagerConfig:
     lease_ttl_s: float  # a response whose lease is not renewed for this long is taken back
     instance_ttl_s: float  # an instance silent for this long is dead
     dispatch_interval_s: float  # dispatch loop period (it also wakes on events)
+    migration: Literal["token", "request"]  # resume from committed tokens, or restart (ablation)
+    rebalance_skew: int  # move work when busiest - idlest instance exceeds this (0 = never)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ManagerConfig:
@@ -117,6 +128,8 @@ class ManagerConfig:
             lease_ttl_s=_float(env, "RLBOOST_LEASE_TTL_S", 3.0, 0.2),
             instance_ttl_s=_float(env, "RLBOOST_INSTANCE_TTL_S", 3.0, 0.2),
             dispatch_interval_s=_float(env, "RLBOOST_DISPATCH_INTERVAL_S", 0.05, 0.001),
+            migration=_choice(env, "RLBOOST_MIGRATION", "token", ("token", "request")),
+            rebalance_skew=_int(env, "RLBOOST_REBALANCE_SKEW", 2, 0),
         )
 
 
@@ -130,7 +143,6 @@ class RolloutConfig:
     chunk_tokens: int  # tokens per streamed chunk
     max_batch: int  # responses generated concurrently
     grace_s: float  # preemption notice: hand work back and leave within this
-    emu_time_scale: float  # emu engine: multiplies every modelled GPU time (0 = instant)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RolloutConfig:
@@ -154,7 +166,6 @@ class RolloutConfig:
             chunk_tokens=_int(env, "RLBOOST_CHUNK_TOKENS", 4, 1),
             max_batch=_int(env, "RLBOOST_MAX_BATCH", 32, 1),
             grace_s=_float(env, "RLBOOST_GRACE_S", 30.0, 0.0),
-            emu_time_scale=_float(env, "RLBOOST_EMU_TIME_SCALE", 1.0, 0.0),
         )
 
 

@@ -4,6 +4,7 @@
     ├── ConfigError        a missing or invalid environment variable (not retryable)
     ├── ProtocolError      a bus message that does not parse as its type (dropped, counted)
     ├── PeerTimeout        a request to another service got no reply in time (retryable)
+    ├── PeerError          the other service answered with an error (retryable if it says so)
     └── WeightsError       a weight download or upload failed (retryable unless corrupt at source)
 
 Each service package adds its own subclasses; REST layers turn them into 4xx with a ``detail``.
@@ -37,6 +38,14 @@ class PeerTimeout(RlboostError):
         super().__init__(f"no reply from {peer} within {timeout_s:.1f}s")
         self.peer = peer
         self.timeout_s = timeout_s
+
+
+class PeerError(RlboostError):
+    def __init__(self, peer: str, detail: str, retryable: bool) -> None:
+        super().__init__(f"{peer}: {detail}")
+        self.peer = peer
+        self.detail = detail
+        self.retryable = retryable
 
 
 class WeightsError(RlboostError):

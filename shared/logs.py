@@ -15,3 +15,5 @@ def setup_logging(level: str, service: str) -> None:
     )
     # nats-py logs every reconnect attempt at ERROR; our own code reports outages once.
     logging.getLogger("nats").setLevel(logging.CRITICAL)
+    # One line per HTTP request of the weight client would drown the service's own story.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

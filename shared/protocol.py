@@ -32,6 +32,7 @@ class Msg(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
 class Held(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str  # which response the instance is working on
     epoch: int  # lease epoch (fencing token) it was assigned under
+    generated: int = 0  # response positions generated so far (committed or not): waste estimate
 
 
 class Heartbeat(Msg):
@@ -75,6 +76,14 @@ class Assignment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class Assign(Msg):
     items: list[Assignment]
+
+
+class Revoke(Msg):
+    """Stop generating these now (load balancing moved them); their leases are already gone."""
+
+    request_ids: list[str]
+
+
 
 
 class Release(Msg):
@@ -186,6 +195,7 @@ class RunFailed(Msg):
 class Ack(Msg):
     ok: bool = True
     detail: str = ""
+    retryable: bool = False  # the request may succeed if sent again (e.g. Redis restarting)
 
 
 class WeightsAnnounce(Msg):
@@ -209,6 +219,14 @@ def decode(data: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(kind.__name__, str(exc)) from exc
+
+
+def decode_command(data: bytes) -> Assign | Revoke:
+    """What arrives on an instance's own subject: new work, or work taken away."""
+    try:
+        return msgspec.json.decode(data, type=Assign | Revoke)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError("instance command", str(exc)) from exc
 
 
 def sample_digest(samples: list[Sample]) -> Digest:

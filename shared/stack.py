@@ -69,7 +69,7 @@ class Server:
             return [_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(self.port),
                     "-sd", str(self.data_dir)]
         return [_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "everysec",
+                "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "always",
                 "--save", "", "--protected-mode", "no"]
 
     @property

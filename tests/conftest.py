@@ -41,10 +41,17 @@ def start_cluster(root: Path, stack: Stack, env: dict[str, str] | None = None,
 def wait_run(client: httpx.Client, run_id: str, timeout_s: float, cluster: Cluster | None = None
              ) -> dict[str, Any]:
     end = time.monotonic() + timeout_s
+    run: dict[str, Any] = {}
     while time.monotonic() < end:
-        run: dict[str, Any] = client.get(f"/v1/runs/{run_id}").json()
-        if run["state"] in ("succeeded", "failed", "cancelled"):
-            return run
+        try:
+            resp = client.get(f"/v1/runs/{run_id}")
+        except httpx.TransportError:  # a manager restarting (fault tests) answers nothing
+            time.sleep(0.3)
+            continue
+        if resp.status_code == 200:
+            run = resp.json()
+            if run["state"] in ("succeeded", "failed", "cancelled"):
+                return run
         if cluster is not None:
             dead = [c for c in cluster.dead() if c.name in ("manager", "trainer", "weights")]
             assert not dead, f"{dead[0].name} died:\n{dead[0].tail(40)}"

@@ -1,0 +1,54 @@
+"""Checks of the design's invariants 1-3 on what the REST API says a run trained on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.protocol import Sample, sample_digest
+from trainer_svc import task
+
+
+def check_run(client: httpx.Client, run_id: str, spec: dict[str, Any],
+              reward: Callable[[list[int], list[int]], float] = task.reward,
+              ) -> dict[int, list[dict[str, Any]]]:
+    """Assert invariants 1-3 for every step of a finished run; returns the samples by step."""
+    steps: list[dict[str, Any]] = client.get(f"/v1/runs/{run_id}/steps").json()
+    assert [s["step"] for s in steps] == list(range(spec["steps"]))
+    expected = spec["prompts_per_step"] * spec["samples_per_prompt"]
+    by_step = {}
+    for record in steps:
+        n = record["step"]
+        samples = client.get(f"/v1/runs/{run_id}/steps/{n}/samples").json()
+        assert len(samples) == expected == record["responses"]
+        keys = {(s["prompt_index"], s["sample_index"]) for s in samples}
+        assert len(keys) == expected  # exactly once: no duplicates, none missing
+        assert {s["weight_version"] for s in samples} == {n} == {record["weight_version"]}
+        prompts = task.make_prompts(spec["seed"], n, spec["prompts_per_step"])
+        for s in samples:
+            assert s["prompt_token_ids"] == prompts[s["prompt_index"]]
+            assert 1 <= len(s["response_token_ids"]) <= spec["max_new_tokens"]
+            ended = s["response_token_ids"][-1] == task.EOS_ID
+            assert ended or len(s["response_token_ids"]) == spec["max_new_tokens"]
+            assert task.EOS_ID not in s["response_token_ids"][:-1]
+            assert s["instances"], "every response names who generated it"
+            assert s["reward"] == pytest.approx(
+                reward(s["prompt_token_ids"], s["response_token_ids"]))
+        assert record["tokens"] == sum(len(s["response_token_ids"]) for s in samples)
+        rewards = [s["reward"] for s in samples]
+        assert record["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+        digest = sample_digest([Sample(**{k: v for k, v in s.items() if k != "reward"})
+                                for s in samples])
+        assert digest.responses == expected and digest.tokens == record["tokens"]
+        for key in ("step_s", "rollout_s", "train_s"):
+            assert record[key] >= 0
+        by_step[n] = samples
+    return by_step
+
+
+def step_records(client: httpx.Client, run_id: str) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = client.get(f"/v1/runs/{run_id}/steps").json()
+    return records

@@ -1,0 +1,232 @@
+"""Fault injection with real processes: the invariants hold under any fault, token for token.
+
+Rollout instances run the ``emu`` engine, whose tokens are a pure function of (seed, step,
+prompt, sample, position, weight version), so the exact response a fault-free run produces is
+known twice over: from a fault-free run on the same cluster, and from the engine's oracle.
+The faulted run must equal both, with every sample exactly once and from the step's version,
+while rollout instances are SIGKILLed, SIGTERMed (preemption notice), SIGSTOPped (zombies),
+join mid-step, and the manager, NATS and Redis are killed and restarted.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rlboost.launcher import Child, Cluster
+from rollout_svc.engine import GenRequest
+from rollout_svc.engine_emu import EmuEngine
+from shared.stack import Stack, wait_port
+from tests.conftest import start_cluster, wait_run
+from tests.invariants import check_run, step_records
+from trainer_svc.policy import PRESETS, EmuPolicy
+
+FAST = {
+    "RLBOOST_EMU_TIME_SCALE": "1.0",
+    "RLBOOST_LEASE_TTL_S": "1.5",
+    "RLBOOST_INSTANCE_TTL_S": "1.5",
+    "RLBOOST_HEARTBEAT_S": "0.25",
+    "RLBOOST_CHUNK_TOKENS": "4",
+    "RLBOOST_GRACE_S": "5",
+}
+REWARD = EmuPolicy(PRESETS["emu"], Path("/nonexistent"), 0.0).reward
+
+
+def oracle(spec: dict[str, Any], sample: dict[str, Any], step: int) -> list[int]:
+    """The response a fault-free emu instance generates for this sample."""
+    return EmuEngine(time_scale=0.0).expected_tokens(GenRequest(
+        request_id="", prompt_token_ids=sample["prompt_token_ids"], committed_token_ids=[],
+        max_new_tokens=spec["max_new_tokens"], temperature=1.0, seed=spec["seed"], step=step,
+        prompt_index=sample["prompt_index"], sample_index=sample["sample_index"],
+        eos_token_id=2, weight_version=step))
+
+
+@pytest.fixture
+def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path, brokers, spot=3, reserved=1, engine="emu", env=FAST)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+class Injector:
+    """Injects one random fault every ``interval_s`` until stopped; counts them by kind."""
+
+    def __init__(self, cluster: Cluster, brokers: Stack, seed: int, interval_s: float) -> None:
+        self.cluster = cluster
+        self.brokers = brokers
+        self.rng = random.Random(seed)
+        self.interval_s = interval_s
+        self.counts: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._next_id = 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def rollouts(self) -> list[Child]:
+        return [c for c in self.cluster.children
+                if c.name.startswith(("spot", "reserved", "join")) and c.alive()]
+
+    def _spare(self) -> None:
+        self._next_id += 1
+        self.cluster.add_instance("spot", f"join-{self._next_id}")
+
+    def kill_rollout(self) -> None:
+        victims = self.rollouts()
+        if len(victims) > 1:
+            self.rng.choice(victims).signal(signal.SIGKILL)
+        self._spare()
+
+    def preempt_rollout(self) -> None:
+        victims = self.rollouts()
+        if len(victims) > 1:
+            self.rng.choice(victims).signal(signal.SIGTERM)
+        self._spare()
+
+    def join(self) -> None:
+        if len(self.rollouts()) >= 6:
+            self.rollouts()[0].signal(signal.SIGTERM)
+        self._spare()
+
+    def zombie(self) -> None:
+        victims = self.rollouts()
+        if len(victims) > 1:
+            victim = self.rng.choice(victims)
+            victim.signal(signal.SIGSTOP)
+            time.sleep(2.0)  # past its 1.5 s lease: its responses move on without it
+            victim.signal(signal.SIGCONT)
+
+    def restart_manager(self) -> None:
+        manager = next(c for c in self.cluster.children if c.name == "manager")
+        manager.signal(signal.SIGKILL)
+        assert manager.proc is not None
+        manager.proc.wait(timeout=10)
+        manager.start()
+        wait_port(int(self.cluster.env["RLBOOST_MANAGER_URL"].rsplit(":", 1)[1]), 30)
+
+    def restart_nats(self) -> None:
+        self.brokers.nats.restart()
+
+    def restart_redis(self) -> None:
+        self.brokers.redis.restart()
+
+    def _loop(self) -> None:
+        kinds: list[tuple[str, Callable[[], None], float]] = [
+            ("rollout_sigkill", self.kill_rollout, 0.28),
+            ("rollout_sigterm", self.preempt_rollout, 0.24),
+            ("join", self.join, 0.18),
+            ("zombie", self.zombie, 0.06),
+            ("manager_sigkill", self.restart_manager, 0.08),
+            ("nats_restart", self.restart_nats, 0.08),
+            ("redis_restart", self.restart_redis, 0.08),
+        ]
+        while not self._stop.wait(self.rng.uniform(0.5, 1.5) * self.interval_s):
+            name, fault, _ = self.rng.choices(kinds, weights=[k[2] for k in kinds])[0]
+            try:
+                fault()
+                self.counts[name] += 1
+            except Exception as exc:  # a fault that could not be injected is a test defect
+                self.errors.append(f"{name}: {exc!r}")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=30)
+
+
+SPEC = {"model": "emu", "steps": 8, "prompts_per_step": 8, "samples_per_prompt": 4,
+        "max_new_tokens": 96, "seed": 21}
+
+
+def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack) -> None:
+    url = cluster.env["RLBOOST_MANAGER_URL"]
+    with httpx.Client(base_url=url, timeout=10) as client:
+        clean_id = client.post("/v1/runs", json=SPEC).json()["id"]
+        assert wait_run(client, clean_id, 240, cluster)["state"] == "succeeded"
+        clean = check_run(client, clean_id, SPEC, REWARD)
+
+        faulted_id = client.post("/v1/runs", json=SPEC).json()["id"]
+        injector = Injector(cluster, brokers, seed=7, interval_s=0.9)
+        injector.start()
+        try:
+            end = time.monotonic() + 240
+            while time.monotonic() < end:
+                try:
+                    resp = client.get(f"/v1/runs/{faulted_id}")
+                    # 503 while Redis restarts, no answer while the manager does
+                    state = resp.json()["state"] if resp.status_code == 200 else "unknown"
+                except (httpx.TransportError, ValueError):
+                    state = "unknown"
+                if state in ("succeeded", "failed", "cancelled"):
+                    break
+                # Keep injecting until the fault budget is spent, then let the run finish.
+                if sum(injector.counts.values()) >= 60:
+                    injector.stop()
+                time.sleep(0.3)
+        finally:
+            injector.stop()
+        assert not injector.errors, injector.errors
+        faults = sum(injector.counts.values())
+        print(f"injected {faults} faults: {dict(injector.counts)}")
+        wait_port(int(url.rsplit(":", 1)[1]), 30)
+        final = wait_run(client, faulted_id, 120, cluster)
+        assert final["state"] == "succeeded", final
+        assert faults >= 50, injector.counts
+        assert len(injector.counts) >= 6, injector.counts
+        faulted = check_run(client, faulted_id, SPEC, REWARD)
+        for step, samples in faulted.items():
+            reference = {(s["prompt_index"], s["sample_index"]): s for s in clean[step]}
+            for s in samples:
+                tokens = s["response_token_ids"]
+                assert tokens == reference[(s["prompt_index"], s["sample_index"])][
+                    "response_token_ids"]
+                assert tokens == oracle(SPEC, s, step)
+        records = step_records(client, faulted_id)
+        totals = {k: sum(r[k] for r in records) for k in (
+            "migrations", "preemptions", "stale_chunks_rejected", "tokens_regenerated",
+            "duplicate_chunks_dropped")}
+        print(f"faulted run counters: {totals}")
+        assert totals["preemptions"] > 0 and totals["migrations"] > 0
+
+
+def test_zombie_instance_is_fenced(cluster: Cluster) -> None:
+    """A paused instance whose lease expired wakes up: every chunk it sends is rejected, and its
+    responses finish elsewhere exactly once, with the tokens a fault-free run produces."""
+    spec = {**SPEC, "steps": 2, "max_new_tokens": 400}
+    url = cluster.env["RLBOOST_MANAGER_URL"]
+    with httpx.Client(base_url=url, timeout=10) as client:
+        run_id = client.post("/v1/runs", json=spec).json()["id"]
+        victim = None
+        end = time.monotonic() + 60
+        while victim is None and time.monotonic() < end:
+            busy = [i for i in client.get("/v1/instances").json()
+                    if i["held"] > 0 and i["id"].startswith("spot")]
+            if busy:
+                victim = next(c for c in cluster.children if c.name == busy[0]["id"])
+            time.sleep(0.05)
+        assert victim is not None, "no instance ever held work"
+        time.sleep(0.3)  # let it commit a few chunks first
+        victim.signal(signal.SIGSTOP)
+        time.sleep(4.0)  # well past lease and instance TTL: it is presumed dead
+        victim.signal(signal.SIGCONT)
+        final = wait_run(client, run_id, 120, cluster)
+        assert final["state"] == "succeeded", final
+        by_step = check_run(client, run_id, spec, REWARD)
+        records = step_records(client, run_id)
+        assert records[0]["stale_chunks_rejected"] > 0
+        assert records[0]["preemptions"] >= 1
+        for step, samples in by_step.items():
+            for s in samples:
+                assert s["response_token_ids"] == oracle(spec, s, step)
