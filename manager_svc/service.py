@@ -61,7 +61,8 @@ M = TypeVar("M", bound=msgspec.Struct)
 # An assignment the instance has not confirmed in a heartbeat after this long is taken back.
 LOST_ASSIGNMENT_S = 1.5
 # Do not move work off the same instance more often than this: moved work needs a moment to land.
-REBALANCE_COOLDOWN_S = 1.0
+REBALANCE_COOLDOWN_S = 2.0
+REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
 LIVE_COUNTERS = ("migrations", "preemptions", "duplicate_chunks_dropped", "stale_chunks_rejected",
                  "tokens_regenerated")
 
@@ -74,6 +75,7 @@ class ManagerService:
         self._wake = asyncio.Event()
         self._stopping = False
         self._rebalanced: dict[str, float] = {}  # soft state: last rebalance per instance
+        self._idle_since: dict[str, float] = {}  # soft state: when each instance went idle
         self.redis: aioredis.Redis
         self.nc: Nats
         self.ledger: Ledger
@@ -351,7 +353,15 @@ class ManagerService:
         ready.sort(key=lambda i: i["held"])
         idle, busy = ready[0], ready[-1]
         now = time.monotonic()
-        if busy["held"] - idle["held"] <= self.cfg.rebalance_skew or \
+        for inst in ready:
+            if inst["held"] == 0:
+                self._idle_since.setdefault(inst["id"], now)
+            else:
+                self._idle_since.pop(inst["id"], None)
+        # Only an instance idle for a while is worth feeding: short responses finish before a
+        # move would pay for its re-prefill, and moving them anyway just churns leases.
+        if now - self._idle_since.get(idle["id"], now) < REBALANCE_IDLE_S or \
+                busy["held"] - idle["held"] <= self.cfg.rebalance_skew or \
                 now - self._rebalanced.get(busy["id"], 0.0) < REBALANCE_COOLDOWN_S:
             return
         self._rebalanced[busy["id"]] = now

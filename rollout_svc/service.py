@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from rollout_svc.engine import Engine, EngineError, GenRequest
+from rollout_svc.notice import NoticePoller
 from shared import names
 from shared.bus import connect_nats, request
 from shared.config import RolloutConfig
@@ -112,6 +113,9 @@ class RolloutService:
                  self.engine.name)
         tasks = [asyncio.create_task(self._heartbeat_loop()),
                  asyncio.create_task(self._generate_loop())]
+        if self.cfg.notice != "off":
+            poller = NoticePoller(self.cfg.notice, self.cfg.metadata_url, self.cfg.notice_poll_s)
+            tasks.append(asyncio.create_task(poller.run(lambda: self.notice("preempt"))))
         stopper = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in done:

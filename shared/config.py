@@ -143,6 +143,9 @@ class RolloutConfig:
     chunk_tokens: int  # tokens per streamed chunk
     max_batch: int  # responses generated concurrently
     grace_s: float  # preemption notice: hand work back and leave within this
+    notice: Literal["off", "aws", "gcp"]  # poll this cloud's metadata for preemption notices
+    metadata_url: str | None  # the metadata server (default: the cloud's own address)
+    notice_poll_s: float  # how often to poll it
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RolloutConfig:
@@ -166,6 +169,9 @@ class RolloutConfig:
             chunk_tokens=_int(env, "RLBOOST_CHUNK_TOKENS", 4, 1),
             max_batch=_int(env, "RLBOOST_MAX_BATCH", 32, 1),
             grace_s=_float(env, "RLBOOST_GRACE_S", 30.0, 0.0),
+            notice=_choice(env, "RLBOOST_PREEMPTION_NOTICE", "off", ("off", "aws", "gcp")),
+            metadata_url=env.get("RLBOOST_METADATA_URL") or None,
+            notice_poll_s=_float(env, "RLBOOST_NOTICE_POLL_S", 5.0, 0.05),
         )
 
 

@@ -25,7 +25,7 @@ import torch
 
 from trainer_svc import task
 from trainer_svc.checkpoint import RunCheckpoints
-from trainer_svc.grpo import GrpoAccumulator
+from trainer_svc.grpo import GrpoAccumulator, learning_rate_at
 from trainer_svc.model import build_tiny, load_policy
 
 
@@ -38,7 +38,7 @@ class Policy(Protocol):
     def add_group(self, prompts: list[list[int]], responses: list[list[int]],
                   rewards: list[float]) -> None: ...
     def reset(self) -> None: ...
-    def step(self) -> dict[str, Any]: ...
+    def step(self, step_index: int) -> dict[str, Any]: ...
     def save(self, version: int) -> None: ...
 
 
@@ -52,6 +52,7 @@ class TorchPolicy:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
                                            weight_decay=0.0)
         self.accumulator = GrpoAccumulator(self.model, self.optimizer, pad_id=task.PAD_ID)
+        self.learning_rate = learning_rate
         self.checkpoints = RunCheckpoints(run_dir, model_dir)
         self.eos_id = task.EOS_ID
 
@@ -71,8 +72,10 @@ class TorchPolicy:
     def reset(self) -> None:
         self.accumulator.reset()
 
-    def step(self) -> dict[str, Any]:
-        return self.accumulator.step()
+    def step(self, step_index: int) -> dict[str, Any]:
+        # The warm-up schedule is a pure function of the step: a restarted trainer needs no
+        # scheduler state to resume it.
+        return self.accumulator.step(lr=learning_rate_at(step_index, self.learning_rate))
 
     def save(self, version: int) -> None:
         self.checkpoints.save(self.model, self.optimizer, version)
@@ -141,7 +144,7 @@ class EmuPolicy:
     def reset(self) -> None:
         pass
 
-    def step(self) -> dict[str, Any]:
+    def step(self, step_index: int) -> dict[str, Any]:
         time.sleep(self.time_scale * self.preset.optimizer_step_s)
         return {"loss": 0.0}
 

@@ -219,7 +219,7 @@ class TrainerService:
                 raise RuntimeError("barrier digest differs from the samples trained on")
             break
         t0 = time.monotonic()
-        stats = await asyncio.to_thread(run.policy.step)
+        stats = await asyncio.to_thread(run.policy.step, step)
         rewards = [SampleReward(prompt_index=s.prompt_index, sample_index=s.sample_index,
                                 reward=float(s.reward or 0.0)) for s in trained]
         report = StepFinish(
