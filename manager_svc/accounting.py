@@ -33,7 +33,7 @@ end
 """
 
 # KEYS: req, lease, step, leased, done | ARGV: rid, instance, epoch, version, offset, ntok,
-# tokens_csv, final, finish, held_prefix, pending_key
+# tokens_csv, final, finish, held_prefix, pending_key, kind, now
 _COMMIT = _COMMON + """
 local req, lease, step = KEYS[1], KEYS[2], KEYS[3]
 if redis.call('EXISTS', req) == 0 then return {'unknown', 0} end
@@ -83,6 +83,8 @@ if ntok > 0 then
   n = n + ntok
   redis.call('HSET', req, 'n', n)
   redis.call('HINCRBY', step, 'tokens', ntok)
+  redis.call('HINCRBY', step, 'tokens_' .. ARGV[12], ntok)
+  redis.call('HSETNX', step, ARGV[12] .. '_first_at', ARGV[13])
 end
 if st[6] ~= ARGV[2] and ntok > 0 then
   csv_append(req, 'instances', ARGV[2])
@@ -181,7 +183,7 @@ class Ledger:
 
     async def create_step(
         self, run_id: str, step: int, version: int, prompts: list[list[int]], samples: int,
-        max_new_tokens: int,
+        max_new_tokens: int, extra: dict[str, str | int | float] | None = None,
     ) -> bool:
         """Create every response of the step once; a repeated call changes nothing."""
         skey = Keys.step(run_id, step)
@@ -189,10 +191,15 @@ class Ledger:
             return False
         pipe = self.r.pipeline(transaction=True)
         total = len(prompts) * samples
+        now = time.time()
+        extra = dict(extra or {})
+        if "window_s" in extra:
+            extra["window_end"] = now + float(extra["window_s"])
         fields: dict[str, str | int | float] = {
             "version": version, "total": total, "remaining": total, "state": "rollout",
-            "started_at": time.time(), "tokens": 0, "migrations": 0, "preemptions": 0,
+            "started_at": now, "tokens": 0, "migrations": 0, "preemptions": 0,
             "duplicate_chunks_dropped": 0, "stale_chunks_rejected": 0, "tokens_regenerated": 0,
+            "tokens_reserved": 0, "tokens_spot": 0, **extra,
         }
         for p, prompt in enumerate(prompts):
             fields[f"g:{p}"] = samples
@@ -217,7 +224,8 @@ class Ledger:
                   Keys.leased(run_id, step), Keys.done(run_id, step)],
             args=[rid, chunk.instance_id, chunk.epoch, chunk.weight_version, chunk.offset,
                   len(chunk.token_ids), _csv(chunk.token_ids), "1" if chunk.final else "0",
-                  chunk.finish_reason or "", self._held_prefix, Keys.pending(run_id, step)],
+                  chunk.finish_reason or "", self._held_prefix, Keys.pending(run_id, step),
+                  chunk.kind, time.time()],
         )
         return CommitResult(str(status), int(n))
 

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from manager_svc.accounting import CommitResult, Ledger
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
+from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
 from shared.config import ManagerConfig
@@ -39,6 +40,7 @@ from shared.protocol import (
     Barrier,
     Digest,
     GroupDone,
+    Handoff,
     Heartbeat,
     HeartbeatReply,
     Release,
@@ -63,8 +65,8 @@ LOST_ASSIGNMENT_S = 1.5
 # Do not move work off the same instance more often than this: moved work needs a moment to land.
 REBALANCE_COOLDOWN_S = 2.0
 REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
-LIVE_COUNTERS = ("migrations", "preemptions", "duplicate_chunks_dropped", "stale_chunks_rejected",
-                 "tokens_regenerated")
+LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
+                 "stale_chunks_rejected", "tokens_regenerated")
 
 
 class ManagerService:
@@ -199,29 +201,37 @@ class ManagerService:
         )
 
     async def on_release(self, rel: Release) -> Ack:
+        revoked = 0
         for held in rel.held:
             if await self.ledger.revoke(held.request_id, held.epoch):
                 self.metrics.revocations.labels(rel.reason).inc()
+                revoked += 1
         if rel.held and rel.reason == "preempt":
-            await self._count_preemption()
+            await self._count_preemption(revoked)
         if rel.leaving:
             await self._forget_instance(rel.instance_id)
         self._wake.set()
         return Ack()
 
-    async def _count_preemption(self) -> None:
+    async def _count_preemption(self, responses: int) -> None:
         target = await self.current_target()
         if target:
-            await self.redis.hincrby(Keys.step(*target), "preemptions", 1)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(Keys.step(*target), "preemptions", 1)
+            pipe.hincrby(Keys.step(*target), "preempted_responses", responses)
+            await pipe.execute()
 
-    async def _forget_instance(self, instance_id: str) -> None:
+    async def _forget_instance(self, instance_id: str) -> int:
+        revoked = 0
         for rid in await self.redis.smembers(Keys.instance_held(instance_id)):
             if await self.ledger.revoke(rid):
                 self.metrics.revocations.labels("dead").inc()
+                revoked += 1
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(Keys.instance(instance_id), Keys.instance_held(instance_id))
         pipe.srem(Keys.instances, instance_id)
         await pipe.execute()
+        return revoked
 
     async def instances(self) -> list[dict[str, Any]]:
         ids = sorted(await self.redis.smembers(Keys.instances))
@@ -250,12 +260,11 @@ class ManagerService:
         for instance_id in await self.redis.smembers(Keys.instances):
             if await self.redis.exists(Keys.instance(instance_id)):
                 continue
-            held = await self.redis.scard(Keys.instance_held(instance_id))
+            revoked = await self._forget_instance(instance_id)
             log.warning("instance %s is gone; %d responses go back to the queue",
-                        instance_id, held)
-            if held:
-                await self._count_preemption()
-            await self._forget_instance(instance_id)
+                        instance_id, revoked)
+            if revoked:
+                await self._count_preemption(revoked)
 
     # --- dispatch --------------------------------------------------------------------------
 
@@ -305,13 +314,13 @@ class ManagerService:
         if int(info.get("remaining", 1)) <= 0:
             await self._barrier(run_id, step)
             return 0
-        pending = await self.redis.smembers(Keys.pending(run_id, step))
-        if not pending:
-            return 0
         version = int(info["version"])
-        ready = [i for i in await self.instances() if i["state"] == "ready"
-                 and i["run_id"] == run_id and i["weight_version"] == version]
-        if not ready:
+        everyone = await self.instances()
+        ready = await self._eligible(run_id, step, info, everyone, [
+            i for i in everyone if i["state"] == "ready" and i["run_id"] == run_id
+            and i["weight_version"] == version])
+        pending = await self.redis.smembers(Keys.pending(run_id, step))
+        if not ready or not pending:
             return 0
         spec = (await self.runs.get(run_id) or {}).get("spec", {})
         queue = sorted(pending, key=lambda r: names.parse_request_id(r)[2:])
@@ -338,18 +347,56 @@ class ManagerService:
                 await self.nc.publish(names.assign_subject(inst["id"]), encode(Assign(items=batch)))
                 sent += len(batch)
         if not queue and self.cfg.rebalance_skew:
-            await self._rebalance(run_id, version)
+            await self._rebalance(ready)
         return sent
 
-    async def _rebalance(self, run_id: str, version: int) -> None:
+    async def _eligible(self, run_id: str, step: int, info: dict[str, str],
+                        everyone: list[dict[str, Any]], ready: list[dict[str, Any]]
+                        ) -> list[dict[str, Any]]:
+        """Who may take work now. During the seeding window everyone ready (reserved first);
+        after it, or with seeding off, only spot instances, unless no spot instance is alive
+        at all, in which case the reserved side generates everything (co-located)."""
+        mode = info.get("mode", "off")
+        if mode != "off" and time.time() < float(info.get("window_end", 0.0)):
+            return ready
+        spot_alive = any(i["kind"] == "spot" and i["state"] != "draining" for i in everyone)
+        if mode != "off" and not info.get("handoff_at"):
+            await self._handoff(run_id, step, everyone, spot_alive)
+        return [i for i in ready if i["kind"] == "spot"] if spot_alive else ready
+
+    async def _handoff(self, run_id: str, step: int, everyone: list[dict[str, Any]],
+                       spot_alive: bool) -> None:
+        """End of the seeding window: the reserved side's unfinished responses move to spot
+        instances (token-level, the preemption path) and the reserved side starts training."""
+        skey = Keys.step(run_id, step)
+        if not await self.redis.hsetnx(skey, "handoff_at", time.time()):
+            return
+        if not spot_alive:
+            return  # nobody to hand to: the reserved side keeps generating, trains after
+        prefix = f"{run_id}:{step}:"
+        for inst in everyone:
+            if inst["kind"] != "reserved":
+                continue
+            held = [r for r in await self.redis.smembers(Keys.instance_held(inst["id"]))
+                    if r.startswith(prefix)]
+            moved = [rid for rid in held if await self.ledger.revoke(rid)]
+            if moved:
+                self.metrics.revocations.labels("handoff").inc(len(moved))
+                await self.nc.publish(names.assign_subject(inst["id"]),
+                                      encode(Revoke(request_ids=moved)))
+        await self.redis.hset(skey, "reserved_free", 1)
+        await self.nc.publish(names.handoff_subject(run_id),
+                              encode(Handoff(run_id=run_id, step=step)))
+
+    async def _rebalance(self, ready: list[dict[str, Any]]) -> None:
         """Token-level load balancing: when the busiest instance holds more than
         ``rebalance_skew`` responses over the idlest (an instance joined mid-step, or its
         responses ran long), move half the difference, least-advanced responses first. They
         continue from their committed tokens on the next dispatch, by the migration path."""
-        ready = [i for i in await self.instances() if i["state"] == "ready"
-                 and i["run_id"] == run_id and i["weight_version"] == version]
         if len(ready) < 2:
             return
+        ids = {i["id"] for i in ready}  # re-read: the held counts changed as work went out
+        ready = [i for i in await self.instances() if i["id"] in ids]
         ready.sort(key=lambda i: i["held"])
         idle, busy = ready[0], ready[-1]
         now = time.monotonic()
@@ -475,15 +522,36 @@ class ManagerService:
         spec = run["spec"]
         if len(msg.prompt_token_ids) != spec["prompts_per_step"]:
             return Ack(ok=False, detail="prompt count differs from prompts_per_step")
+        seeding = await self._seeding(msg.run_id)
+        mode = spec["seeding"]["mode"]
+        spot_alive = sum(1 for i in await self.instances()
+                         if i["kind"] == "spot" and i["state"] != "draining")
+        if mode == "adaptive":
+            window = next_window(seeding, spot_alive)
+        else:
+            window = float(spec["seeding"]["window_s"]) if mode == "fixed" else 0.0
         created = await self.ledger.create_step(
             msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
             spec["samples_per_prompt"], spec["max_new_tokens"],
+            extra={"eos": msg.eos_token_id, "mode": mode, "window_s": window,
+                   # Seeding off and spot capacity present: the reserved side only trains.
+                   "reserved_free": int(mode == "off" and spot_alive > 0)},
         )
         if created:
-            await self.redis.hset(Keys.step(msg.run_id, msg.step), "eos", msg.eos_token_id)
-            log.info("step %d of %s started", msg.step, msg.run_id)
+            seeding.window_s, seeding.spot_count = window, spot_alive
+            await self.redis.hset(Keys.seeding(msg.run_id), mapping=seeding.dump())
+            log.info("step %d of %s started (seeding %s, window %.2fs, %d spot)", msg.step,
+                     msg.run_id, mode, window, spot_alive)
         self._wake.set()
         return Ack()
+
+    async def _seeding(self, run_id: str) -> SeedingState:
+        raw = await self.redis.hgetall(Keys.seeding(run_id))
+        if raw:
+            return SeedingState.load(raw)
+        run = await self.runs.get(run_id) or {}
+        initial = float(run.get("spec", {}).get("seeding", {}).get("window_s") or 0.0)
+        return SeedingState(window_s=initial or DEFAULT_WINDOW_S)
 
     async def _barrier_digest(self, run_id: str, step: int) -> Digest | None:
         raw = await self.redis.hget(Keys.step(run_id, step), "digest")
@@ -492,8 +560,10 @@ class ManagerService:
     async def on_samples(self, query: StepSamplesQuery) -> StepSamples:
         digest = await self._barrier_digest(query.run_id, query.step)
         samples = await self.ledger.done_samples(query.run_id, query.step)
+        free = await self.redis.hget(Keys.step(query.run_id, query.step), "reserved_free")
         return StepSamples(run_id=query.run_id, step=query.step, complete=digest is not None,
-                           samples=samples, digest=digest)
+                           train_now=digest is not None or free == "1", samples=samples,
+                           digest=digest)
 
     async def on_finish(self, fin: StepFinish) -> Ack:
         run = await self.runs.get(fin.run_id)
@@ -516,6 +586,7 @@ class ManagerService:
         info = await self.redis.hgetall(Keys.step(fin.run_id, fin.step))
         now = time.time()
         started = float(info["started_at"])
+        await self._observe_seeding(fin, info, now)
         values = [r for r in rewards.values()]
         record = {
             "step": fin.step, "weight_version": int(info["version"]),
@@ -525,7 +596,12 @@ class ManagerService:
             "step_s": now - started,
             "rollout_s": float(info.get("rollout_done_at", now)) - started,
             "train_s": fin.train_s, "trainer_idle_s": fin.trainer_idle_s,
-            "rollout_idle_s": 0.0, "seeding_window_s": 0.0, "loss": fin.loss,
+            # After the barrier the rollout side waits for the optimizer step and new weights.
+            "rollout_idle_s": max(0.0, now - float(info.get("rollout_done_at", now))),
+            "seeding_window_s": float(info.get("window_s", 0.0)),
+            "seeding_mode": info.get("mode", "off"),
+            "tokens_reserved": int(info.get("tokens_reserved", 0)),
+            "tokens_spot": int(info.get("tokens_spot", 0)), "loss": fin.loss,
             "instances": len(await self.instances()),
             **{k: int(info.get(k, 0)) for k in LIVE_COUNTERS},
         }
@@ -538,6 +614,22 @@ class ManagerService:
                  record["reward_mean"], record["step_s"])
         self._wake.set()
         return Ack()
+
+    async def _observe_seeding(self, fin: StepFinish, info: dict[str, str], now: float) -> None:
+        started = float(info["started_at"])
+        done = float(info.get("rollout_done_at", now))
+        spot_first = float(info.get("spot_first_at", done))
+        spot = [i for i in await self.instances() if i["kind"] == "spot"]
+        # The window actually seen by the reserved side: it ends early at the barrier.
+        window = min(float(info.get("window_s", 0.0)), done - started)
+        state = await self._seeding(fin.run_id)
+        observe(state, {
+            "tokens": fin.digest.tokens, "tokens_reserved": int(info.get("tokens_reserved", 0)),
+            "tokens_spot": int(info.get("tokens_spot", 0)), "window_s": window,
+            "train_s": fin.train_s, "spot_ready_s": spot_first - started,
+            "spot_busy_s": done - spot_first, "spot_count": len(spot),
+        })
+        await self.redis.hset(Keys.seeding(fin.run_id), mapping=state.dump())
 
     async def on_run_failed(self, msg: RunFailed) -> Ack:
         await self.runs.set_state(msg.run_id, "failed", msg.error[:2000])

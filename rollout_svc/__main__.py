@@ -1,27 +1,59 @@
-"""``python -m rollout_svc``: read config, set up logging, run one instance until told to leave."""
+"""``python -m rollout_svc``: read config, set up logging, run instances until told to leave.
+
+One process is one instance, except with the ``emu`` engine, where RLBOOST_EMU_INSTANCES=N runs
+N emulated instances (ids ``<id>-0`` .. ``<id>-N-1``) in one event loop, so scale experiments
+need not pay a Python process per instance. SIGTERM is a preemption notice for all of them.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import signal
 
 from rollout_svc.engine import create_engine
 from rollout_svc.service import RolloutService
 from shared.config import RolloutConfig
+from shared.errors import ConfigError
 from shared.logs import setup_logging
 from shared.process import die_with_parent
+
+
+def build(cfg: RolloutConfig) -> list[RolloutService]:
+    if cfg.instances > 1 and cfg.engine != "emu":
+        raise ConfigError("RLBOOST_EMU_INSTANCES", "several instances per process need emu")
+    configs = [cfg] if cfg.instances == 1 else [
+        dataclasses.replace(cfg, instance_id=f"{cfg.instance_id}-{k}")
+        for k in range(cfg.instances)]
+    services = []
+    for c in configs:
+        options: dict[str, object] = {"max_batch": c.max_batch}
+        if c.engine == "torch":
+            options["threads"] = c.common.torch_threads
+        if c.engine == "emu":
+            options["time_scale"] = c.common.emu_time_scale
+        if c.engine == "sglang":
+            options["url"], options["launch_args"] = c.sglang_url, c.sglang_args
+        services.append(RolloutService(c, create_engine(c.engine, **options)))
+    return services
+
+
+async def serve(services: list[RolloutService]) -> None:
+    def notice(reason: str) -> None:
+        for service in services:
+            service.notice(reason)
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, notice, "preempt")
+    loop.add_signal_handler(signal.SIGINT, notice, "shutdown")
+    await asyncio.gather(*(s.run() for s in services))
 
 
 def main() -> None:
     die_with_parent()
     cfg = RolloutConfig.from_env()
     setup_logging(cfg.common.log_level, f"rollout[{cfg.instance_id}]")
-    options: dict[str, object] = {"max_batch": cfg.max_batch}
-    if cfg.engine == "torch":
-        options["threads"] = cfg.common.torch_threads
-    if cfg.engine == "emu":
-        options["time_scale"] = cfg.common.emu_time_scale
-    engine = create_engine(cfg.engine, **options)
-    asyncio.run(RolloutService(cfg, engine).run())
+    asyncio.run(serve(build(cfg)))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as Nats
@@ -104,9 +103,6 @@ class RolloutService:
                                           common.metrics_port)
         self.nc = await connect_nats(common.nats_url, self.cfg.instance_id)
         self.js = self.nc.jetstream()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.notice, "preempt")
-        loop.add_signal_handler(signal.SIGINT, self.notice, "shutdown")
         await self.nc.subscribe(names.assign_subject(self.cfg.instance_id), cb=self._on_assign)
         await self.nc.subscribe(names.WEIGHTS_ANNOUNCE, cb=self._on_announce)
         log.info("instance %s (%s, %s engine) joining", self.cfg.instance_id, self.cfg.kind,
@@ -307,6 +303,7 @@ class RolloutService:
             request_id=rid, instance_id=self.cfg.instance_id, epoch=a.epoch,
             weight_version=a.weight_version, offset=item.offset, token_ids=item.buffer,
             final=final, finish_reason=item.finish_reason if final else None,  # type: ignore[arg-type]
+            kind=self.cfg.kind,
         )
         for attempt in range(20):
             try:

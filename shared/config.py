@@ -9,6 +9,7 @@ below them have defaults that suit one machine; each is documented where it is r
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import uuid
 from collections.abc import Mapping
@@ -146,6 +147,9 @@ class RolloutConfig:
     notice: Literal["off", "aws", "gcp"]  # poll this cloud's metadata for preemption notices
     metadata_url: str | None  # the metadata server (default: the cloud's own address)
     notice_poll_s: float  # how often to poll it
+    sglang_url: str | None  # RLBOOST_SGLANG_URL: attach to this SGLang server; unset = start one
+    sglang_args: tuple[str, ...]  # RLBOOST_SGLANG_ARGS: extra launch_server flags (shell words)
+    instances: int  # emu only: instances served by this one process (ids get -0, -1, ...)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RolloutConfig:
@@ -172,6 +176,10 @@ class RolloutConfig:
             notice=_choice(env, "RLBOOST_PREEMPTION_NOTICE", "off", ("off", "aws", "gcp")),
             metadata_url=env.get("RLBOOST_METADATA_URL") or None,
             notice_poll_s=_float(env, "RLBOOST_NOTICE_POLL_S", 5.0, 0.05),
+            instances=_int(env, "RLBOOST_EMU_INSTANCES", 1, 1),
+            sglang_url=_url(env, "RLBOOST_SGLANG_URL", "", _HTTP)
+            if env.get("RLBOOST_SGLANG_URL") else None,
+            sglang_args=tuple(shlex.split(env.get("RLBOOST_SGLANG_ARGS") or "")),
         )
 
 

@@ -7,6 +7,7 @@ Subjects (core NATS unless marked JetStream):
     rlb.chunk.<run>             instance -> manager, JetStream stream RLB_CHUNKS (TokenChunk)
     rlb.trainer.<verb>          trainer -> manager, request/reply (poll|start|samples|finish|fail)
     rlb.evt.group.<run>         manager -> trainer, best effort (GroupDone)
+    rlb.evt.handoff.<run>       manager -> trainer, best effort (Handoff): seeding window over
     rlb.evt.barrier.<run>       manager -> trainer, best effort (Barrier); the trainer also polls
     rlb.weights.announce        weight service -> anyone (WeightsAnnounce)
 """
@@ -38,6 +39,10 @@ def chunk_subject(run_id: str) -> str:
 
 def group_subject(run_id: str) -> str:
     return f"{PREFIX}.evt.group.{run_id}"
+
+
+def handoff_subject(run_id: str) -> str:
+    return f"{PREFIX}.evt.handoff.{run_id}"
 
 
 def barrier_subject(run_id: str) -> str:
@@ -83,6 +88,11 @@ class Keys:
     def done(run_id: str, step: int) -> str:
         """Set of request ids of the step whose response is complete."""
         return f"{PREFIX}:step:{run_id}:{step}:done"
+
+    @staticmethod
+    def seeding(run_id: str) -> str:
+        """The seeding controller's measurements and current window for a run."""
+        return f"{PREFIX}:seeding:{run_id}"
 
     @staticmethod
     def step_records(run_id: str) -> str:

@@ -102,6 +102,7 @@ class TokenChunk(Msg):
     token_ids: list[int]
     final: bool = False  # the response ends with this chunk
     finish_reason: FinishReason | None = None
+    kind: InstanceKind = "spot"  # who generated it: the seeding controller measures both sides
 
 
 # --- trainer <-> manager ----------------------------------------------------------------------
@@ -160,8 +161,16 @@ class StepSamples(Msg):
     run_id: str
     step: int
     complete: bool  # True once the barrier for the step has been reached
+    train_now: bool = True  # the reserved side has stopped generating: training may start
     samples: list[Sample] = []  # completed samples (all of them once complete)
     digest: Digest | None = None
+
+
+class Handoff(Msg):
+    """The seeding window of a step is over: the reserved side switches to training."""
+
+    run_id: str
+    step: int
 
 
 class Barrier(Msg):

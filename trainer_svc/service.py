@@ -87,6 +87,7 @@ class TrainerService:
         self.nc = await connect_nats(common.nats_url, self.cfg.trainer_id)
         await self.nc.subscribe(names.group_subject("*"), cb=self._on_group)
         await self.nc.subscribe(names.barrier_subject("*"), cb=self._on_barrier)
+        await self.nc.subscribe(names.handoff_subject("*"), cb=self._on_barrier)
         log.info("trainer %s ready: %s", self.cfg.trainer_id, self.cfg.common.describe())
         try:
             while not self._stop.is_set():
@@ -142,6 +143,7 @@ class TrainerService:
             log.warning("dropped %s", exc)
 
     async def _on_barrier(self, _: NatsMsg) -> None:
+        """A barrier or a seeding hand-off: ask the manager for the step's state right away."""
         self._barrier.set()
         # Wake the step loop, which waits on the group queue.
         await self._events.put(GroupDone(run_id="", step=-1, prompt_index=-1, samples=[]))
@@ -195,17 +197,26 @@ class TrainerService:
         run.trained = {}
         run.policy.reset()
         last_poll = 0.0
+        # Groups that completed while the reserved side was still generating (seeding window):
+        # training starts only once it has stopped, since both share the reserved GPUs.
+        waiting: list[GroupDone] = []
+        train_now = False
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 event = await asyncio.wait_for(self._events.get(), self.cfg.poll_s / 4)
                 if event.run_id == run.run_id and event.step == step:
-                    busy += await self._train_group(run, event.prompt_index, event.samples)
+                    waiting.append(event)
+            if train_now:
+                for done in waiting:
+                    busy += await self._train_group(run, done.prompt_index, done.samples)
+                waiting.clear()
             if time.monotonic() - last_poll < self.cfg.poll_s and not self._barrier.is_set():
                 continue
             last_poll = time.monotonic()
             self._barrier.clear()
             state = await request(self.nc, names.TRAINER_SAMPLES,
                                   StepSamplesQuery(run_id=run.run_id, step=step), StepSamples, 10.0)
+            train_now = state.train_now
             if not state.complete:
                 continue
             by_group: dict[int, list[Sample]] = {}
