@@ -147,6 +147,7 @@ class Injector:
 
 
 SPEC = {"model": "emu", "steps": 8, "prompts_per_step": 8, "samples_per_prompt": 4,
+        "seeding": {"mode": "adaptive"},
         "max_new_tokens": 96, "seed": 21}
 
 

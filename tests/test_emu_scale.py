@@ -1,0 +1,50 @@
+"""Several emulated instances in one process: they register, share work and leave together."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from rlboost.launcher import Child
+from shared.stack import Stack
+from tests.conftest import start_cluster, wait_run
+from tests.invariants import check_run
+from tests.test_faults import FAST, REWARD
+
+SPEC = {"model": "emu", "steps": 2, "prompts_per_step": 8, "samples_per_prompt": 4,
+        "max_new_tokens": 32, "seed": 4}
+
+
+def test_one_process_serves_four_instances(brokers: Stack, tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path, brokers, spot=0, reserved=1, engine="emu", env=FAST)
+    group = Child("pack", [sys.executable, "-m", "rollout_svc"], {
+        **cluster.env, "RLBOOST_ENGINE": "emu", "RLBOOST_INSTANCE_ID": "pack",
+        "RLBOOST_INSTANCE_KIND": "spot", "RLBOOST_EMU_INSTANCES": "4",
+        "RLBOOST_MAX_BATCH": "8"}, tmp_path / "pack.log")
+    group.start()
+    try:
+        with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=10) as client:
+            ids: set[str] = set()
+            for _ in range(100):
+                ids = {i["id"] for i in client.get("/v1/instances").json()}
+                if {f"pack-{k}" for k in range(4)} <= ids:
+                    break
+                time.sleep(0.1)
+            assert {f"pack-{k}" for k in range(4)} <= ids, ids
+            run_id = client.post("/v1/runs", json=SPEC).json()["id"]
+            assert wait_run(client, run_id, 120, cluster)["state"] == "succeeded"
+            by_step = check_run(client, run_id, SPEC, REWARD)
+            contributors = {i for samples in by_step.values() for s in samples
+                            for i in s["instances"]}
+            assert len(contributors & {f"pack-{k}" for k in range(4)}) >= 2
+            group.signal(signal.SIGTERM)  # one notice reaches every instance of the process
+            assert group.proc is not None and group.proc.wait(timeout=20) == 0
+            left = {i["id"] for i in client.get("/v1/instances").json()}
+            assert not left & {f"pack-{k}" for k in range(4)}
+    finally:
+        group.signal(signal.SIGKILL)
+        cluster.stop()
