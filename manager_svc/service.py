@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -25,9 +24,10 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from redis.exceptions import RedisError
 
 from manager_svc.accounting import CommitResult, Ledger
+from manager_svc.dispatch import Dispatch
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
-from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
+from manager_svc.trainer_api import TrainerProtocol
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
 from shared.config import ManagerConfig
@@ -35,19 +35,13 @@ from shared.errors import ProtocolError
 from shared.names import Keys
 from shared.protocol import (
     Ack,
-    ActiveRun,
-    Assign,
     Barrier,
-    Digest,
     GroupDone,
-    Handoff,
     Heartbeat,
     HeartbeatReply,
     Release,
-    Revoke,
     RunFailed,
     StepFinish,
-    StepSamples,
     StepSamplesQuery,
     StepStart,
     Target,
@@ -62,14 +56,9 @@ log = logging.getLogger("manager")
 M = TypeVar("M", bound=msgspec.Struct)
 # An assignment the instance has not confirmed in a heartbeat after this long is taken back.
 LOST_ASSIGNMENT_S = 1.5
-# Do not move work off the same instance more often than this: moved work needs a moment to land.
-REBALANCE_COOLDOWN_S = 2.0
-REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
-LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
-                 "stale_chunks_rejected", "tokens_regenerated")
 
 
-class ManagerService:
+class ManagerService(Dispatch, TrainerProtocol):
     def __init__(self, cfg: ManagerConfig) -> None:
         self.cfg = cfg
         self.metrics = ManagerMetrics()
@@ -112,8 +101,12 @@ class ManagerService:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        # Drain flushes what handlers already answered; bounded, since a pull subscription
+        # with an open fetch can otherwise hold it for nats-py's 30 s default.
         with contextlib.suppress(Exception):
-            await self.nc.drain()
+            await asyncio.wait_for(self.nc.drain(), 2.0)
+        with contextlib.suppress(Exception):
+            await self.nc.close()
         with contextlib.suppress(Exception):
             await self.redis.aclose()
 
@@ -255,179 +248,6 @@ class ManagerService:
             })
         return out
 
-    async def _reap_instances(self) -> None:
-        """An instance whose heartbeat key expired is dead: take its work back (hard loss)."""
-        for instance_id in await self.redis.smembers(Keys.instances):
-            if await self.redis.exists(Keys.instance(instance_id)):
-                continue
-            revoked = await self._forget_instance(instance_id)
-            log.warning("instance %s is gone; %d responses go back to the queue",
-                        instance_id, revoked)
-            if revoked:
-                await self._count_preemption(revoked)
-
-    # --- dispatch --------------------------------------------------------------------------
-
-    async def _dispatch_loop(self) -> None:
-        last_reap = 0.0
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.cfg.dispatch_interval_s)
-            self._wake.clear()
-            if time.monotonic() - last_reap > min(0.5, self.cfg.instance_ttl_s / 2):
-                last_reap = time.monotonic()
-                await self._reap_instances()
-                await self._expire_leases()
-            await self.dispatch_once()
-
-    async def _active_step(self) -> tuple[str, int, dict[str, str]] | None:
-        target = await self.current_target()
-        if target is None:
-            return None
-        info = await self.redis.hgetall(Keys.step(*target))
-        if not info or info.get("state") != "rollout":
-            return None
-        return target[0], target[1], info
-
-    async def _expire_leases(self) -> None:
-        active = await self._active_step()
-        if active is None:
-            return
-        run_id, step, _ = active
-        leased = sorted(await self.redis.smembers(Keys.leased(run_id, step)))
-        if not leased:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in leased:
-            pipe.exists(Keys.lease(rid))
-        for rid, alive in zip(leased, await pipe.execute(), strict=True):
-            if not alive and await self.ledger.revoke(rid):
-                self.metrics.revocations.labels("expired").inc()
-                log.info("lease of %s expired; taken back", rid)
-
-    async def dispatch_once(self) -> int:
-        """Lease pending responses of the active step to ready instances; returns how many."""
-        active = await self._active_step()
-        if active is None:
-            return 0
-        run_id, step, info = active
-        if int(info.get("remaining", 1)) <= 0:
-            await self._barrier(run_id, step)
-            return 0
-        version = int(info["version"])
-        everyone = await self.instances()
-        ready = await self._eligible(run_id, step, info, everyone, [
-            i for i in everyone if i["state"] == "ready" and i["run_id"] == run_id
-            and i["weight_version"] == version])
-        pending = await self.redis.smembers(Keys.pending(run_id, step))
-        if not ready or not pending:
-            return 0
-        spec = (await self.runs.get(run_id) or {}).get("spec", {})
-        queue = sorted(pending, key=lambda r: names.parse_request_id(r)[2:])
-        # Fair share of all outstanding work, so one fast-joining instance does not take it all;
-        # reserved instances come first, as the design's seeding order asks.
-        outstanding = len(queue) + sum(i["held"] for i in ready)
-        share = math.ceil(outstanding / len(ready))
-        ready.sort(key=lambda i: (i["kind"] != "reserved", i["held"]))
-        sent = 0
-        for inst in ready:
-            room = min(inst["capacity"], share) - inst["held"]
-            batch = []
-            while room > 0 and queue:
-                rid = queue.pop(0)
-                assignment = await self.ledger.assign(
-                    rid, inst["id"], float(spec.get("temperature", 1.0)),
-                    int(spec.get("seed", 0)), int(info.get("eos", 0)),
-                )
-                if assignment is not None:
-                    batch.append(assignment)
-                    room -= 1
-            if batch:
-                self.metrics.assignments.inc(len(batch))
-                await self.nc.publish(names.assign_subject(inst["id"]), encode(Assign(items=batch)))
-                sent += len(batch)
-        if not queue and self.cfg.rebalance_skew:
-            await self._rebalance(ready)
-        return sent
-
-    async def _eligible(self, run_id: str, step: int, info: dict[str, str],
-                        everyone: list[dict[str, Any]], ready: list[dict[str, Any]]
-                        ) -> list[dict[str, Any]]:
-        """Who may take work now. During the seeding window everyone ready (reserved first);
-        after it, or with seeding off, only spot instances, unless no spot instance is alive
-        at all, in which case the reserved side generates everything (co-located)."""
-        mode = info.get("mode", "off")
-        if mode != "off" and time.time() < float(info.get("window_end", 0.0)):
-            return ready
-        spot_alive = any(i["kind"] == "spot" and i["state"] != "draining" for i in everyone)
-        if mode != "off" and not info.get("handoff_at"):
-            await self._handoff(run_id, step, everyone, spot_alive)
-        return [i for i in ready if i["kind"] == "spot"] if spot_alive else ready
-
-    async def _handoff(self, run_id: str, step: int, everyone: list[dict[str, Any]],
-                       spot_alive: bool) -> None:
-        """End of the seeding window: the reserved side's unfinished responses move to spot
-        instances (token-level, the preemption path) and the reserved side starts training."""
-        skey = Keys.step(run_id, step)
-        if not await self.redis.hsetnx(skey, "handoff_at", time.time()):
-            return
-        if not spot_alive:
-            return  # nobody to hand to: the reserved side keeps generating, trains after
-        prefix = f"{run_id}:{step}:"
-        for inst in everyone:
-            if inst["kind"] != "reserved":
-                continue
-            held = [r for r in await self.redis.smembers(Keys.instance_held(inst["id"]))
-                    if r.startswith(prefix)]
-            moved = [rid for rid in held if await self.ledger.revoke(rid)]
-            if moved:
-                self.metrics.revocations.labels("handoff").inc(len(moved))
-                await self.nc.publish(names.assign_subject(inst["id"]),
-                                      encode(Revoke(request_ids=moved)))
-        await self.redis.hset(skey, "reserved_free", 1)
-        await self.nc.publish(names.handoff_subject(run_id),
-                              encode(Handoff(run_id=run_id, step=step)))
-
-    async def _rebalance(self, ready: list[dict[str, Any]]) -> None:
-        """Token-level load balancing: when the busiest instance holds more than
-        ``rebalance_skew`` responses over the idlest (an instance joined mid-step, or its
-        responses ran long), move half the difference, least-advanced responses first. They
-        continue from their committed tokens on the next dispatch, by the migration path."""
-        if len(ready) < 2:
-            return
-        ids = {i["id"] for i in ready}  # re-read: the held counts changed as work went out
-        ready = [i for i in await self.instances() if i["id"] in ids]
-        ready.sort(key=lambda i: i["held"])
-        idle, busy = ready[0], ready[-1]
-        now = time.monotonic()
-        for inst in ready:
-            if inst["held"] == 0:
-                self._idle_since.setdefault(inst["id"], now)
-            else:
-                self._idle_since.pop(inst["id"], None)
-        # Only an instance idle for a while is worth feeding: short responses finish before a
-        # move would pay for its re-prefill, and moving them anyway just churns leases.
-        if now - self._idle_since.get(idle["id"], now) < REBALANCE_IDLE_S or \
-                busy["held"] - idle["held"] <= self.cfg.rebalance_skew or \
-                now - self._rebalanced.get(busy["id"], 0.0) < REBALANCE_COOLDOWN_S:
-            return
-        self._rebalanced[busy["id"]] = now
-        held = sorted(await self.redis.smembers(Keys.instance_held(busy["id"])))
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in held:
-            pipe.hget(Keys.request(rid), "n")
-        progress = [int(n or 0) for n in await pipe.execute()]
-        move = [rid for _, rid in sorted(zip(progress, held, strict=True))]
-        move = move[:(busy["held"] - idle["held"]) // 2]
-        moved = [rid for rid in move if await self.ledger.revoke(rid)]
-        if moved:
-            self.metrics.revocations.labels("rebalance").inc(len(moved))
-            await self.nc.publish(names.assign_subject(busy["id"]),
-                                  encode(Revoke(request_ids=moved)))
-            log.info("moving %d responses off %s (holds %d, %s holds %d)", len(moved),
-                     busy["id"], busy["held"], idle["id"], idle["held"])
-            self._wake.set()
-
     # --- chunks and the barrier ------------------------------------------------------------
 
     async def _consume_chunks(self) -> None:
@@ -504,167 +324,3 @@ class ManagerService:
         await self.nc.publish(names.barrier_subject(run_id),
                               encode(Barrier(run_id=run_id, step=step, digest=digest)))
 
-    # --- trainer protocol ------------------------------------------------------------------
-
-    async def on_poll(self, poll: TrainerPoll) -> ActiveRun:
-        run_id = await self.runs.active()
-        if not run_id:
-            return ActiveRun()
-        run = await self.runs.get(run_id) or {}
-        return ActiveRun(run_id=run_id, spec=run["spec"], step=run["step"], state=run["state"])
-
-    async def on_step_start(self, msg: StepStart) -> Ack:
-        run = await self.runs.get(msg.run_id)
-        if run is None or run["state"] != "running":
-            return Ack(ok=False, detail=f"run {msg.run_id} is not running")
-        if msg.step != run["step"] or msg.weight_version != msg.step:
-            return Ack(ok=False, detail=f"run is at step {run['step']}, not {msg.step}")
-        spec = run["spec"]
-        if len(msg.prompt_token_ids) != spec["prompts_per_step"]:
-            return Ack(ok=False, detail="prompt count differs from prompts_per_step")
-        seeding = await self._seeding(msg.run_id)
-        mode = spec["seeding"]["mode"]
-        spot_alive = sum(1 for i in await self.instances()
-                         if i["kind"] == "spot" and i["state"] != "draining")
-        if mode == "adaptive":
-            window = next_window(seeding, spot_alive)
-        else:
-            window = float(spec["seeding"]["window_s"]) if mode == "fixed" else 0.0
-        created = await self.ledger.create_step(
-            msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
-            spec["samples_per_prompt"], spec["max_new_tokens"],
-            extra={"eos": msg.eos_token_id, "mode": mode, "window_s": window,
-                   # Seeding off and spot capacity present: the reserved side only trains.
-                   "reserved_free": int(mode == "off" and spot_alive > 0)},
-        )
-        if created:
-            seeding.window_s, seeding.spot_count = window, spot_alive
-            await self.redis.hset(Keys.seeding(msg.run_id), mapping=seeding.dump())
-            log.info("step %d of %s started (seeding %s, window %.2fs, %d spot)", msg.step,
-                     msg.run_id, mode, window, spot_alive)
-        self._wake.set()
-        return Ack()
-
-    async def _seeding(self, run_id: str) -> SeedingState:
-        raw = await self.redis.hgetall(Keys.seeding(run_id))
-        if raw:
-            return SeedingState.load(raw)
-        run = await self.runs.get(run_id) or {}
-        initial = float(run.get("spec", {}).get("seeding", {}).get("window_s") or 0.0)
-        return SeedingState(window_s=initial or DEFAULT_WINDOW_S)
-
-    async def _barrier_digest(self, run_id: str, step: int) -> Digest | None:
-        raw = await self.redis.hget(Keys.step(run_id, step), "digest")
-        return msgspec.json.decode(raw, type=Digest) if raw else None
-
-    async def on_samples(self, query: StepSamplesQuery) -> StepSamples:
-        digest = await self._barrier_digest(query.run_id, query.step)
-        samples = await self.ledger.done_samples(query.run_id, query.step)
-        free = await self.redis.hget(Keys.step(query.run_id, query.step), "reserved_free")
-        return StepSamples(run_id=query.run_id, step=query.step, complete=digest is not None,
-                           train_now=digest is not None or free == "1", samples=samples,
-                           digest=digest)
-
-    async def on_finish(self, fin: StepFinish) -> Ack:
-        run = await self.runs.get(fin.run_id)
-        if run is None:
-            return Ack(ok=False, detail=f"unknown run {fin.run_id}")
-        if run["step"] > fin.step:
-            return Ack(detail="already recorded")  # a retried finish after a lost reply
-        if run["state"] != "running" or run["step"] != fin.step:
-            return Ack(ok=False, detail=f"run is {run['state']} at step {run['step']}")
-        digest = await self._barrier_digest(fin.run_id, fin.step)
-        if digest is None or digest != fin.digest:
-            # The trainer trained on something other than the barrier's data: invariant 3.
-            await self.runs.set_state(fin.run_id, "failed", "barrier digest mismatch")
-            await self.redis.delete(Keys.active)
-            return Ack(ok=False, detail="digest does not match the barrier's")
-        samples = await self.ledger.done_samples(fin.run_id, fin.step)
-        rewards = {(r.prompt_index, r.sample_index): r.reward for r in fin.rewards}
-        for s in samples:
-            s.reward = rewards.get((s.prompt_index, s.sample_index))
-        info = await self.redis.hgetall(Keys.step(fin.run_id, fin.step))
-        now = time.time()
-        started = float(info["started_at"])
-        await self._observe_seeding(fin, info, now)
-        values = [r for r in rewards.values()]
-        record = {
-            "step": fin.step, "weight_version": int(info["version"]),
-            "new_weight_version": fin.new_version, "responses": digest.responses,
-            "tokens": digest.tokens,
-            "reward_mean": sum(values) / len(values) if values else 0.0,
-            "step_s": now - started,
-            "rollout_s": float(info.get("rollout_done_at", now)) - started,
-            "train_s": fin.train_s, "trainer_idle_s": fin.trainer_idle_s,
-            # After the barrier the rollout side waits for the optimizer step and new weights.
-            "rollout_idle_s": max(0.0, now - float(info.get("rollout_done_at", now))),
-            "seeding_window_s": float(info.get("window_s", 0.0)),
-            "seeding_mode": info.get("mode", "off"),
-            "tokens_reserved": int(info.get("tokens_reserved", 0)),
-            "tokens_spot": int(info.get("tokens_spot", 0)), "loss": fin.loss,
-            "instances": len(await self.instances()),
-            **{k: int(info.get(k, 0)) for k in LIVE_COUNTERS},
-        }
-        await self.runs.finish_step(fin.run_id, fin.step, record,
-                                    msgspec.json.encode(samples).decode(), run["steps"])
-        await self.redis.hset(Keys.step(fin.run_id, fin.step), "state", "finished")
-        self.metrics.steps.inc()
-        self.metrics.step_seconds.observe(record["step_s"])
-        log.info("step %d of %s finished: reward %.3f, %.2fs", fin.step, fin.run_id,
-                 record["reward_mean"], record["step_s"])
-        self._wake.set()
-        return Ack()
-
-    async def _observe_seeding(self, fin: StepFinish, info: dict[str, str], now: float) -> None:
-        started = float(info["started_at"])
-        done = float(info.get("rollout_done_at", now))
-        spot_first = float(info.get("spot_first_at", done))
-        spot = [i for i in await self.instances() if i["kind"] == "spot"]
-        # The window actually seen by the reserved side: it ends early at the barrier.
-        window = min(float(info.get("window_s", 0.0)), done - started)
-        state = await self._seeding(fin.run_id)
-        observe(state, {
-            "tokens": fin.digest.tokens, "tokens_reserved": int(info.get("tokens_reserved", 0)),
-            "tokens_spot": int(info.get("tokens_spot", 0)), "window_s": window,
-            "train_s": fin.train_s, "spot_ready_s": spot_first - started,
-            "spot_busy_s": done - spot_first, "spot_count": len(spot),
-        })
-        await self.redis.hset(Keys.seeding(fin.run_id), mapping=state.dump())
-
-    async def on_run_failed(self, msg: RunFailed) -> Ack:
-        await self.runs.set_state(msg.run_id, "failed", msg.error[:2000])
-        if await self.redis.get(Keys.active) == msg.run_id:
-            await self.redis.delete(Keys.active)
-        return Ack()
-
-    async def cancel(self, run_id: str) -> dict[str, Any] | None:
-        run = await self.runs.get(run_id)
-        if run is None:
-            return None
-        if run["state"] in ("queued", "running"):
-            await self.runs.set_state(run_id, "cancelled")
-            if await self.redis.get(Keys.active) == run_id:
-                await self.redis.delete(Keys.active)
-        return await self.runs.get(run_id)
-
-    async def step_records(self, run_id: str) -> list[dict[str, Any]]:
-        """Finished-step records with their fault counters read live: a zombie that wakes
-        after its step finished still has its rejected chunks counted against that step."""
-        records = await self.runs.steps(run_id)
-        pipe = self.redis.pipeline(transaction=False)
-        for rec in records:
-            pipe.hmget(Keys.step(run_id, rec["step"]), list(LIVE_COUNTERS))
-        for rec, values in zip(records, await pipe.execute(), strict=True):
-            for key, value in zip(LIVE_COUNTERS, values, strict=True):
-                if value is not None:
-                    rec[key] = int(value)
-        return records
-
-    async def step_progress(self, run_id: str, step: int) -> dict[str, Any]:
-        info = await self.redis.hgetall(Keys.step(run_id, step))
-        if not info:
-            return {}
-        total = int(info.get("total", 0))
-        return {"step": step, "state": info.get("state"), "responses_total": total,
-                "responses_done": total - int(info.get("remaining", total)),
-                "tokens": int(info.get("tokens", 0))}

@@ -1,0 +1,234 @@
+"""Dispatch: which instance generates which response, and when work moves.
+
+Contract: every decision is a Redis state change through :class:`~manager_svc.accounting.Ledger`
+(assign, revoke), so a restarted manager continues from what Redis says. Pending responses of
+the active step go to ready instances holding the step's weight version: during a seeding window
+to everyone (reserved first), after it to spot instances only (see :mod:`manager_svc.seeding`);
+a fair share each, so one fast joiner does not take everything. Dead instances and expired
+leases give their responses back; an instance idle for a while takes work from the busiest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from nats.aio.client import Client as Nats
+
+from manager_svc.accounting import Ledger
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.runs import RunStore
+from shared import names
+from shared.config import ManagerConfig
+from shared.names import Keys
+from shared.protocol import Assign, Handoff, Revoke, encode
+
+log = logging.getLogger("manager")
+# Do not move work off the same instance more often than this: moved work needs a moment to land.
+REBALANCE_COOLDOWN_S = 2.0
+REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
+
+
+class Dispatch:
+    """Dispatch half of :class:`manager_svc.service.ManagerService` (a mixin)."""
+
+    cfg: ManagerConfig
+    metrics: ManagerMetrics
+    redis: aioredis.Redis
+    nc: Nats
+    ledger: Ledger
+    runs: RunStore
+    _wake: asyncio.Event
+    _rebalanced: dict[str, float]  # soft state: last rebalance per instance
+    _idle_since: dict[str, float]  # soft state: when each instance went idle
+
+    async def current_target(self) -> tuple[str, int] | None:
+        raise NotImplementedError  # provided by ManagerService
+
+    async def instances(self) -> list[dict[str, Any]]:
+        raise NotImplementedError  # provided by ManagerService
+
+    async def _barrier(self, run_id: str, step: int) -> None:
+        raise NotImplementedError  # provided by ManagerService
+
+    async def _count_preemption(self, responses: int) -> None:
+        raise NotImplementedError  # provided by ManagerService
+
+    async def _forget_instance(self, instance_id: str) -> int:
+        raise NotImplementedError  # provided by ManagerService
+
+    async def _dispatch_loop(self) -> None:
+        last_reap = 0.0
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.cfg.dispatch_interval_s)
+            self._wake.clear()
+            if time.monotonic() - last_reap > min(0.5, self.cfg.instance_ttl_s / 2):
+                last_reap = time.monotonic()
+                await self._reap_instances()
+                await self._expire_leases()
+            await self.dispatch_once()
+
+    async def _active_step(self) -> tuple[str, int, dict[str, str]] | None:
+        target = await self.current_target()
+        if target is None:
+            return None
+        info = await self.redis.hgetall(Keys.step(*target))
+        if not info or info.get("state") != "rollout":
+            return None
+        return target[0], target[1], info
+
+    async def _expire_leases(self) -> None:
+        active = await self._active_step()
+        if active is None:
+            return
+        run_id, step, _ = active
+        leased = sorted(await self.redis.smembers(Keys.leased(run_id, step)))
+        if not leased:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in leased:
+            pipe.exists(Keys.lease(rid))
+        for rid, alive in zip(leased, await pipe.execute(), strict=True):
+            if not alive and await self.ledger.revoke(rid):
+                self.metrics.revocations.labels("expired").inc()
+                log.info("lease of %s expired; taken back", rid)
+
+    async def dispatch_once(self) -> int:
+        """Lease pending responses of the active step to ready instances; returns how many."""
+        active = await self._active_step()
+        if active is None:
+            return 0
+        run_id, step, info = active
+        if int(info.get("remaining", 1)) <= 0:
+            await self._barrier(run_id, step)
+            return 0
+        version = int(info["version"])
+        everyone = await self.instances()
+        ready = await self._eligible(run_id, step, info, everyone, [
+            i for i in everyone if i["state"] == "ready" and i["run_id"] == run_id
+            and i["weight_version"] == version])
+        pending = await self.redis.smembers(Keys.pending(run_id, step))
+        if not ready or not pending:
+            return 0
+        spec = (await self.runs.get(run_id) or {}).get("spec", {})
+        queue = sorted(pending, key=lambda r: names.parse_request_id(r)[2:])
+        # Fair share of all outstanding work, so one fast-joining instance does not take it all;
+        # reserved instances come first, as the design's seeding order asks.
+        outstanding = len(queue) + sum(i["held"] for i in ready)
+        share = math.ceil(outstanding / len(ready))
+        ready.sort(key=lambda i: (i["kind"] != "reserved", i["held"]))
+        sent = 0
+        for inst in ready:
+            room = min(inst["capacity"], share) - inst["held"]
+            batch = []
+            while room > 0 and queue:
+                rid = queue.pop(0)
+                assignment = await self.ledger.assign(
+                    rid, inst["id"], float(spec.get("temperature", 1.0)),
+                    int(spec.get("seed", 0)), int(info.get("eos", 0)),
+                )
+                if assignment is not None:
+                    batch.append(assignment)
+                    room -= 1
+            if batch:
+                self.metrics.assignments.inc(len(batch))
+                await self.nc.publish(names.assign_subject(inst["id"]), encode(Assign(items=batch)))
+                sent += len(batch)
+        if not queue and self.cfg.rebalance_skew:
+            await self._rebalance(ready)
+        return sent
+
+    async def _eligible(self, run_id: str, step: int, info: dict[str, str],
+                        everyone: list[dict[str, Any]], ready: list[dict[str, Any]]
+                        ) -> list[dict[str, Any]]:
+        """Who may take work now. During the seeding window everyone ready (reserved first);
+        after it, or with seeding off, only spot instances, unless no spot instance is alive
+        at all, in which case the reserved side generates everything (co-located)."""
+        mode = info.get("mode", "off")
+        if mode != "off" and time.time() < float(info.get("window_end", 0.0)):
+            return ready
+        spot_alive = any(i["kind"] == "spot" and i["state"] != "draining" for i in everyone)
+        if mode != "off" and not info.get("handoff_at"):
+            await self._handoff(run_id, step, everyone, spot_alive)
+        return [i for i in ready if i["kind"] == "spot"] if spot_alive else ready
+
+    async def _handoff(self, run_id: str, step: int, everyone: list[dict[str, Any]],
+                       spot_alive: bool) -> None:
+        """End of the seeding window: the reserved side's unfinished responses move to spot
+        instances (token-level, the preemption path) and the reserved side starts training."""
+        skey = Keys.step(run_id, step)
+        if not await self.redis.hsetnx(skey, "handoff_at", time.time()):
+            return
+        if not spot_alive:
+            return  # nobody to hand to: the reserved side keeps generating, trains after
+        prefix = f"{run_id}:{step}:"
+        for inst in everyone:
+            if inst["kind"] != "reserved":
+                continue
+            held = [r for r in await self.redis.smembers(Keys.instance_held(inst["id"]))
+                    if r.startswith(prefix)]
+            moved = [rid for rid in held if await self.ledger.revoke(rid)]
+            if moved:
+                self.metrics.revocations.labels("handoff").inc(len(moved))
+                await self.nc.publish(names.assign_subject(inst["id"]),
+                                      encode(Revoke(request_ids=moved)))
+        await self.redis.hset(skey, "reserved_free", 1)
+        await self.nc.publish(names.handoff_subject(run_id),
+                              encode(Handoff(run_id=run_id, step=step)))
+
+    async def _rebalance(self, ready: list[dict[str, Any]]) -> None:
+        """Token-level load balancing: when the busiest instance holds more than
+        ``rebalance_skew`` responses over the idlest (an instance joined mid-step, or its
+        responses ran long), move half the difference, least-advanced responses first. They
+        continue from their committed tokens on the next dispatch, by the migration path."""
+        if len(ready) < 2:
+            return
+        ids = {i["id"] for i in ready}  # re-read: the held counts changed as work went out
+        ready = [i for i in await self.instances() if i["id"] in ids]
+        ready.sort(key=lambda i: i["held"])
+        idle, busy = ready[0], ready[-1]
+        now = time.monotonic()
+        for inst in ready:
+            if inst["held"] == 0:
+                self._idle_since.setdefault(inst["id"], now)
+            else:
+                self._idle_since.pop(inst["id"], None)
+        # Only an instance idle for a while is worth feeding: short responses finish before a
+        # move would pay for its re-prefill, and moving them anyway just churns leases.
+        if now - self._idle_since.get(idle["id"], now) < REBALANCE_IDLE_S or \
+                busy["held"] - idle["held"] <= self.cfg.rebalance_skew or \
+                now - self._rebalanced.get(busy["id"], 0.0) < REBALANCE_COOLDOWN_S:
+            return
+        self._rebalanced[busy["id"]] = now
+        held = sorted(await self.redis.smembers(Keys.instance_held(busy["id"])))
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in held:
+            pipe.hget(Keys.request(rid), "n")
+        progress = [int(n or 0) for n in await pipe.execute()]
+        move = [rid for _, rid in sorted(zip(progress, held, strict=True))]
+        move = move[:(busy["held"] - idle["held"]) // 2]
+        moved = [rid for rid in move if await self.ledger.revoke(rid)]
+        if moved:
+            self.metrics.revocations.labels("rebalance").inc(len(moved))
+            await self.nc.publish(names.assign_subject(busy["id"]),
+                                  encode(Revoke(request_ids=moved)))
+            log.info("moving %d responses off %s (holds %d, %s holds %d)", len(moved),
+                     busy["id"], busy["held"], idle["id"], idle["held"])
+            self._wake.set()
+
+    async def _reap_instances(self) -> None:
+        """An instance whose heartbeat key expired is dead: take its work back (hard loss)."""
+        for instance_id in await self.redis.smembers(Keys.instances):
+            if await self.redis.exists(Keys.instance(instance_id)):
+                continue
+            revoked = await self._forget_instance(instance_id)
+            log.warning("instance %s is gone; %d responses go back to the queue",
+                        instance_id, revoked)
+            if revoked:
+                await self._count_preemption(revoked)

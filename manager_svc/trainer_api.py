@@ -1,0 +1,217 @@
+"""The trainer's side of the manager: steps start, samples, the barrier digest, step reports.
+
+Contract: every handler is idempotent (a trainer retries after a lost reply or a restart of
+either side): starting a step twice creates it once, a report for a recorded step is
+acknowledged again, and a report whose digest differs from the barrier's fails the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from nats.aio.client import Client as Nats
+
+from manager_svc.accounting import Ledger
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.runs import RunStore
+from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
+from shared.config import ManagerConfig
+from shared.names import Keys
+from shared.protocol import (
+    Ack,
+    ActiveRun,
+    Digest,
+    RunFailed,
+    StepFinish,
+    StepSamples,
+    StepSamplesQuery,
+    StepStart,
+    TrainerPoll,
+)
+
+log = logging.getLogger("manager")
+LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
+                 "stale_chunks_rejected", "tokens_regenerated")
+
+
+class TrainerProtocol:
+    """Trainer-facing half of :class:`manager_svc.service.ManagerService` (a mixin)."""
+
+    cfg: ManagerConfig
+    metrics: ManagerMetrics
+    redis: aioredis.Redis
+    nc: Nats
+    ledger: Ledger
+    runs: RunStore
+    _wake: asyncio.Event
+
+    async def instances(self) -> list[dict[str, Any]]:
+        raise NotImplementedError  # provided by ManagerService
+
+    async def on_poll(self, poll: TrainerPoll) -> ActiveRun:
+        run_id = await self.runs.active()
+        if not run_id:
+            return ActiveRun()
+        run = await self.runs.get(run_id) or {}
+        return ActiveRun(run_id=run_id, spec=run["spec"], step=run["step"], state=run["state"])
+
+    async def on_step_start(self, msg: StepStart) -> Ack:
+        run = await self.runs.get(msg.run_id)
+        if run is None or run["state"] != "running":
+            return Ack(ok=False, detail=f"run {msg.run_id} is not running")
+        if msg.step != run["step"] or msg.weight_version != msg.step:
+            return Ack(ok=False, detail=f"run is at step {run['step']}, not {msg.step}")
+        spec = run["spec"]
+        if len(msg.prompt_token_ids) != spec["prompts_per_step"]:
+            return Ack(ok=False, detail="prompt count differs from prompts_per_step")
+        seeding = await self._seeding(msg.run_id)
+        mode = spec["seeding"]["mode"]
+        spot_alive = sum(1 for i in await self.instances()
+                         if i["kind"] == "spot" and i["state"] != "draining")
+        if mode == "adaptive":
+            window = next_window(seeding, spot_alive)
+        else:
+            window = float(spec["seeding"]["window_s"]) if mode == "fixed" else 0.0
+        created = await self.ledger.create_step(
+            msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
+            spec["samples_per_prompt"], spec["max_new_tokens"],
+            extra={"eos": msg.eos_token_id, "mode": mode, "window_s": window,
+                   # Seeding off and spot capacity present: the reserved side only trains.
+                   "reserved_free": int(mode == "off" and spot_alive > 0)},
+        )
+        if created:
+            seeding.window_s, seeding.spot_count = window, spot_alive
+            await self.redis.hset(Keys.seeding(msg.run_id), mapping=seeding.dump())
+            log.info("step %d of %s started (seeding %s, window %.2fs, %d spot)", msg.step,
+                     msg.run_id, mode, window, spot_alive)
+        self._wake.set()
+        return Ack()
+
+    async def _seeding(self, run_id: str) -> SeedingState:
+        raw = await self.redis.hgetall(Keys.seeding(run_id))
+        if raw:
+            return SeedingState.load(raw)
+        run = await self.runs.get(run_id) or {}
+        initial = float(run.get("spec", {}).get("seeding", {}).get("window_s") or 0.0)
+        return SeedingState(window_s=initial or DEFAULT_WINDOW_S)
+
+    async def _barrier_digest(self, run_id: str, step: int) -> Digest | None:
+        raw = await self.redis.hget(Keys.step(run_id, step), "digest")
+        return msgspec.json.decode(raw, type=Digest) if raw else None
+
+    async def on_samples(self, query: StepSamplesQuery) -> StepSamples:
+        digest = await self._barrier_digest(query.run_id, query.step)
+        samples = await self.ledger.done_samples(query.run_id, query.step)
+        free = await self.redis.hget(Keys.step(query.run_id, query.step), "reserved_free")
+        return StepSamples(run_id=query.run_id, step=query.step, complete=digest is not None,
+                           train_now=digest is not None or free == "1", samples=samples,
+                           digest=digest)
+
+    async def on_finish(self, fin: StepFinish) -> Ack:
+        run = await self.runs.get(fin.run_id)
+        if run is None:
+            return Ack(ok=False, detail=f"unknown run {fin.run_id}")
+        if run["step"] > fin.step:
+            return Ack(detail="already recorded")  # a retried finish after a lost reply
+        if run["state"] != "running" or run["step"] != fin.step:
+            return Ack(ok=False, detail=f"run is {run['state']} at step {run['step']}")
+        digest = await self._barrier_digest(fin.run_id, fin.step)
+        if digest is None or digest != fin.digest:
+            # The trainer trained on something other than the barrier's data: invariant 3.
+            await self.runs.set_state(fin.run_id, "failed", "barrier digest mismatch")
+            await self.redis.delete(Keys.active)
+            return Ack(ok=False, detail="digest does not match the barrier's")
+        samples = await self.ledger.done_samples(fin.run_id, fin.step)
+        rewards = {(r.prompt_index, r.sample_index): r.reward for r in fin.rewards}
+        for s in samples:
+            s.reward = rewards.get((s.prompt_index, s.sample_index))
+        info = await self.redis.hgetall(Keys.step(fin.run_id, fin.step))
+        now = time.time()
+        started = float(info["started_at"])
+        await self._observe_seeding(fin, info, now)
+        values = [r for r in rewards.values()]
+        record = {
+            "step": fin.step, "weight_version": int(info["version"]),
+            "new_weight_version": fin.new_version, "responses": digest.responses,
+            "tokens": digest.tokens,
+            "reward_mean": sum(values) / len(values) if values else 0.0,
+            "step_s": now - started,
+            "rollout_s": float(info.get("rollout_done_at", now)) - started,
+            "train_s": fin.train_s, "trainer_idle_s": fin.trainer_idle_s,
+            # After the barrier the rollout side waits for the optimizer step and new weights.
+            "rollout_idle_s": max(0.0, now - float(info.get("rollout_done_at", now))),
+            "seeding_window_s": float(info.get("window_s", 0.0)),
+            "seeding_mode": info.get("mode", "off"),
+            "tokens_reserved": int(info.get("tokens_reserved", 0)),
+            "tokens_spot": int(info.get("tokens_spot", 0)), "loss": fin.loss,
+            "instances": len(await self.instances()),
+            **{k: int(info.get(k, 0)) for k in LIVE_COUNTERS},
+        }
+        await self.runs.finish_step(fin.run_id, fin.step, record,
+                                    msgspec.json.encode(samples).decode(), run["steps"])
+        await self.redis.hset(Keys.step(fin.run_id, fin.step), "state", "finished")
+        self.metrics.steps.inc()
+        self.metrics.step_seconds.observe(record["step_s"])
+        log.info("step %d of %s finished: reward %.3f, %.2fs", fin.step, fin.run_id,
+                 record["reward_mean"], record["step_s"])
+        self._wake.set()
+        return Ack()
+
+    async def _observe_seeding(self, fin: StepFinish, info: dict[str, str], now: float) -> None:
+        started = float(info["started_at"])
+        done = float(info.get("rollout_done_at", now))
+        spot_first = float(info.get("spot_first_at", done))
+        spot = [i for i in await self.instances() if i["kind"] == "spot"]
+        # The window actually seen by the reserved side: it ends early at the barrier.
+        window = min(float(info.get("window_s", 0.0)), done - started)
+        state = await self._seeding(fin.run_id)
+        observe(state, {
+            "tokens": fin.digest.tokens, "tokens_reserved": int(info.get("tokens_reserved", 0)),
+            "tokens_spot": int(info.get("tokens_spot", 0)), "window_s": window,
+            "train_s": fin.train_s, "spot_ready_s": spot_first - started,
+            "spot_busy_s": done - spot_first, "spot_count": len(spot),
+        })
+        await self.redis.hset(Keys.seeding(fin.run_id), mapping=state.dump())
+
+    async def on_run_failed(self, msg: RunFailed) -> Ack:
+        await self.runs.set_state(msg.run_id, "failed", msg.error[:2000])
+        if await self.redis.get(Keys.active) == msg.run_id:
+            await self.redis.delete(Keys.active)
+        return Ack()
+
+    async def cancel(self, run_id: str) -> dict[str, Any] | None:
+        run = await self.runs.get(run_id)
+        if run is None:
+            return None
+        if run["state"] in ("queued", "running"):
+            await self.runs.set_state(run_id, "cancelled")
+            if await self.redis.get(Keys.active) == run_id:
+                await self.redis.delete(Keys.active)
+        return await self.runs.get(run_id)
+
+    async def step_records(self, run_id: str) -> list[dict[str, Any]]:
+        """Finished-step records with their fault counters read live: a zombie that wakes
+        after its step finished still has its rejected chunks counted against that step."""
+        records = await self.runs.steps(run_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for rec in records:
+            pipe.hmget(Keys.step(run_id, rec["step"]), list(LIVE_COUNTERS))
+        for rec, values in zip(records, await pipe.execute(), strict=True):
+            for key, value in zip(LIVE_COUNTERS, values, strict=True):
+                if value is not None:
+                    rec[key] = int(value)
+        return records
+
+    async def step_progress(self, run_id: str, step: int) -> dict[str, Any]:
+        info = await self.redis.hgetall(Keys.step(run_id, step))
+        if not info:
+            return {}
+        total = int(info.get("total", 0))
+        return {"step": step, "state": info.get("state"), "responses_total": total,
+                "responses_done": total - int(info.get("remaining", total)),
+                "tokens": int(info.get("tokens", 0))}
