@@ -145,14 +145,22 @@ redis.call('HINCRBY', KEYS[5], 'tokens_regenerated', waste)
 return 1
 """
 
-# KEYS: lease, req | ARGV: "<instance>:<epoch>", ttl_ms, generated
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[2], 'seen', ARGV[3])
-return 1
+# ARGV: lease_prefix, req_prefix, instance, ttl_ms, then (rid, epoch, generated) triples.
+# One round trip per heartbeat however many responses the instance holds.
+_RENEW_MANY = """
+local lost = {}
+for i = 5, #ARGV, 3 do
+  local rid = ARGV[i]
+  local lease = ARGV[1] .. rid
+  if redis.call('GET', lease) == (ARGV[3] .. ':' .. ARGV[i + 1]) then
+    redis.call('PEXPIRE', lease, ARGV[4])
+    redis.call('HSET', ARGV[2] .. rid, 'seen', ARGV[i + 2])
+  else
+    lost[#lost + 1] = rid
+  end
+end
+return lost
 """
-
 
 def _csv(values: list[int]) -> str:
     return ",".join(map(str, values))
@@ -178,7 +186,7 @@ class Ledger:
         self._commit = redis.register_script(_COMMIT)
         self._assign = redis.register_script(_ASSIGN)
         self._revoke = redis.register_script(_REVOKE)
-        self._renew = redis.register_script(_RENEW)
+        self._renew_many = redis.register_script(_RENEW_MANY)
         self._held_prefix = Keys.instance("")
 
     async def create_step(
@@ -259,11 +267,16 @@ class Ledger:
         )
         return bool(done)
 
-    async def renew(self, rid: str, instance_id: str, epoch: int, generated: int = 0) -> bool:
-        """Extend a lease held by ``instance_id`` at ``epoch``; False if it is not theirs."""
-        renewed = await self._renew(keys=[Keys.lease(rid), Keys.request(rid)],
-                                    args=[f"{instance_id}:{epoch}", self.lease_ttl_ms, generated])
-        return bool(renewed)
+    async def renew_many(self, instance_id: str, held: list[tuple[str, int, int]]) -> list[str]:
+        """Renew every (request id, epoch, generated) lease of one heartbeat; returns the
+        request ids whose lease is no longer the instance's."""
+        if not held:
+            return []
+        args: list[str | int] = [Keys.lease(""), Keys.request(""), instance_id, self.lease_ttl_ms]
+        for rid, epoch, generated in held:
+            args += [rid, epoch, generated]
+        lost = await self._renew_many(keys=[], args=args)
+        return [str(r) for r in lost]
 
     async def samples(self, rids: list[str]) -> list[Sample]:
         pipe = self.r.pipeline(transaction=False)

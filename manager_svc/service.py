@@ -173,14 +173,13 @@ class ManagerService(Dispatch, TrainerProtocol):
         pipe.smembers(Keys.instance_held(hb.instance_id))
         server_held: set[str] = (await pipe.execute())[-1]
         target = await self.current_target()
-        revoke: list[str] = []
-        reported = set()
-        for held in hb.held:
-            reported.add(held.request_id)
-            wrong_run = target is None or not held.request_id.startswith(target[0] + ":")
-            if wrong_run or not await self.ledger.renew(held.request_id, hb.instance_id,
-                                                        held.epoch, held.generated):
-                revoke.append(held.request_id)
+        reported = {held.request_id for held in hb.held}
+        prefix = f"{target[0]}:" if target else None
+        revoke = [h.request_id for h in hb.held
+                  if prefix is None or not h.request_id.startswith(prefix)]
+        revoke += await self.ledger.renew_many(hb.instance_id, [
+            (h.request_id, h.epoch, h.generated) for h in hb.held
+            if prefix is not None and h.request_id.startswith(prefix)])
         now = time.time()
         for rid in server_held - reported:
             assigned = await self.redis.hget(Keys.request(rid), "assigned_at")

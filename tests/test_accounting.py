@@ -117,3 +117,18 @@ async def test_group_and_step_completion_fire_once(ledger: Ledger) -> None:
     assert [(s.prompt_index, s.sample_index) for s in done] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # A finished response cannot be assigned again.
     assert await ledger.assign(f"{RUN}:0:0:0", "i2", 1.0, 0, 2) is None
+
+
+async def test_heartbeat_renews_only_leases_it_owns(ledger: Ledger) -> None:
+    mine, theirs = f"{RUN}:0:0:0", f"{RUN}:0:0:1"
+    a = await ledger.assign(mine, "i1", 1.0, 0, 2)
+    b = await ledger.assign(theirs, "i2", 1.0, 0, 2)
+    assert a is not None and b is not None
+    await asyncio.sleep(0.3)
+    lost = await ledger.renew_many("i1", [(mine, a.epoch, 3), (theirs, b.epoch, 0),
+                                          (mine, a.epoch + 5, 0)])
+    assert lost == [theirs, mine]  # not its lease; and a stale epoch of its own
+    await asyncio.sleep(0.3)  # 0.6 s after assignment: only the renewed lease is alive
+    assert await ledger.r.exists(Keys.lease(mine))
+    assert not await ledger.r.exists(Keys.lease(theirs))
+    assert await ledger.r.hget(Keys.request(mine), "seen") == "3"

@@ -1,4 +1,10 @@
-"""``python -m trainer_svc``: read config, set up logging, train runs until SIGTERM."""
+"""``python -m trainer_svc``: read config, set up logging, train runs until SIGTERM.
+
+Under ``torchrun --nproc-per-node N -m trainer_svc`` rank 0 is this same service (its policy
+spreads the work, see :mod:`trainer_svc.distributed`) and ranks > 0 serve rank 0's commands.
+When rank 0 stops (SIGTERM, SIGINT) it sends the workers Stop before leaving the group; when
+torchrun itself is signalled it signals every rank, and a worker simply exits.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import torch
 from shared.config import TrainerConfig
 from shared.logs import setup_logging
 from shared.process import die_with_parent
+from trainer_svc import distributed
 from trainer_svc.service import TrainerService
 
 
@@ -22,12 +29,27 @@ async def _serve(cfg: TrainerConfig) -> None:
 
 
 def main() -> None:
-    die_with_parent()
+    launch = distributed.Launch.from_env()
+    if launch is None:
+        # Under torchrun the ranks' parent is torchrun, not the launcher named in the
+        # environment, and torchrun tears its ranks down itself.
+        die_with_parent()
     cfg = TrainerConfig.from_env()
-    setup_logging(cfg.common.log_level, "trainer")
+    rank = launch.rank if launch is not None else 0
+    setup_logging(cfg.common.log_level, "trainer" if rank == 0 else f"trainer-rank{rank}")
     if cfg.common.torch_threads:
         torch.set_num_threads(cfg.common.torch_threads)
-    asyncio.run(_serve(cfg))
+    if launch is None or launch.world_size < 2:
+        asyncio.run(_serve(cfg))
+        return
+    distributed.init(launch)
+    try:
+        if rank == 0:
+            asyncio.run(_serve(cfg))
+        else:
+            distributed.worker_loop()
+    finally:
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

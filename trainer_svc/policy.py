@@ -43,11 +43,18 @@ class Policy(Protocol):
 
 
 class TorchPolicy:
-    """An HF causal LM trained with GRPO on the CPU or a GPU."""
+    """An HF causal LM trained with GRPO on the CPU or a GPU, in one process.
 
-    def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int) -> None:
+    Under torchrun each rank holds one of these; :mod:`trainer_svc.distributed` keeps them
+    identical.
+    """
+
+    def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
         torch.manual_seed(seed)
-        self.model = load_policy(model_dir, dtype=torch.float32)
+        self.model = load_policy(model_dir, dtype=dtype)
+        if device is not None:
+            self.model.to(device)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
                                            weight_decay=0.0)
@@ -169,6 +176,11 @@ class EmuPolicy:
 
 def make_policy(spec: dict[str, Any], data_dir: Path, run_dir: Path,
                 emu_time_scale: float) -> Policy:
+    """The policy a run spec asks for.
+
+    An emu preset is emulated on rank 0 alone (the other ranks of a torchrun job stay idle);
+    a torch model is data-parallel over every rank when the process group has several.
+    """
     name = str(spec.get("model", "tiny"))
     if name in PRESETS:
         return EmuPolicy(PRESETS[name], run_dir, emu_time_scale)
@@ -180,4 +192,11 @@ def make_policy(spec: dict[str, Any], data_dir: Path, run_dir: Path,
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model {name!r} is neither 'tiny', an emu preset, nor an HF "
                              "model directory")
-    return TorchPolicy(model_dir, run_dir, float(spec["learning_rate"]), seed)
+    learning_rate = float(spec["learning_rate"])
+    # Imported here: distributed builds on TorchPolicy, so it imports this module.
+    from trainer_svc import distributed
+
+    if distributed.channel() is not None:
+        # Under torchrun with several ranks: the same model, data-parallel over the ranks.
+        return distributed.DistributedPolicy.setup(model_dir, run_dir, learning_rate, seed)
+    return TorchPolicy(model_dir, run_dir, learning_rate, seed)

@@ -1,0 +1,200 @@
+"""2 ranks = 1 rank: the distributed trainer takes the same optimizer steps as one process.
+
+The 2-rank side is real: ``torchrun --standalone --nproc-per-node 2`` runs this file as a
+script; rank 0 drives a :class:`DistributedPolicy` exactly as the service does (setup, restore,
+reset, add_group, step, save, restore again) and rank 1 sits in ``worker_loop``. The 1-rank
+reference is a plain :class:`TorchPolicy` in the test process on the same groups.
+
+Tolerance: float64 model, ``atol = 1e-10`` on every parameter. The only legitimate difference
+is the order of float64 additions (rank 0 sums groups 0, 2, 4, rank 1 groups 1, 3 and the
+all-reduce adds the two partial sums); Adam's update is smooth in the gradient, so that
+~1e-16 relative difference stays far below the bound. Rank 1 must equal rank 0 bitwise: both
+run the same step on the same reduced numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from trainer_svc import distributed, task
+from trainer_svc.distributed import DistributedPolicy, Launch
+from trainer_svc.model import tiny_config
+from trainer_svc.policy import Policy, TorchPolicy, make_policy
+
+LR = 1e-2
+ATOL = 1e-10
+REPO = Path(__file__).resolve().parents[1]
+
+Group = tuple[list[list[int]], list[list[int]], list[float]]
+
+
+def _group(rng: random.Random, size: int, no_signal: bool = False) -> Group:
+    prompt = task.make_prompt(rng.randrange(10), rng.randint(1, 3))
+    responses = [
+        [rng.choice(task.DIGIT_IDS) for _ in range(rng.randint(1, 7))] + [task.EOS_ID]
+        for _ in range(size)
+    ]
+    rewards = [task.reward(prompt, r) for r in responses]
+    if no_signal:
+        rewards = [0.5] * size  # zero advantages: tokens count, no gradient
+    else:
+        rewards[0], rewards[1] = 0.0, 1.0  # never all equal
+    return [prompt] * size, responses, rewards
+
+
+def _steps() -> list[list[Group]]:
+    rng = random.Random(5)
+    return [
+        # Five groups over two ranks: uneven shares (3 and 2), one without signal.
+        [_group(rng, 4), _group(rng, 4), _group(rng, 4, no_signal=True), _group(rng, 4),
+         _group(rng, 4)],
+        # One group, the sixth of the run: owned by rank 1, so rank 0 has no gradient at all.
+        [_group(rng, 4)],
+        # After a save and a restore into a fresh policy.
+        [_group(rng, 4), _group(rng, 4), _group(rng, 4)],
+        # No signal anywhere: no rank has a gradient, so no optimizer step may be taken
+        # (AdamW's momentum would move the weights on a zero gradient).
+        [_group(rng, 4, no_signal=True)],
+    ]
+
+
+def _model_dir(root: Path) -> Path:
+    out = root / "model"
+    if not out.is_dir():
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(tiny_config()).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _scenario(make: Callable[[], Policy]) -> tuple[Policy, list[dict[str, Any]]]:
+    """What the service does to a policy over four steps, with a restart before the third."""
+    steps = _steps()
+    stats: list[dict[str, Any]] = []
+    policy = make()
+    assert policy.restore() == 0
+    for index in range(len(steps)):
+        if index == 2:
+            policy.save(2)
+            policy = make()
+            assert policy.restore() == 2
+        policy.reset()
+        for group in steps[index]:
+            policy.add_group(*group)
+        stats.append(policy.step(index))
+    return policy, stats
+
+
+def _model_of(policy: Policy) -> torch.nn.Module:
+    if isinstance(policy, DistributedPolicy):
+        return policy.local.model
+    assert isinstance(policy, TorchPolicy)
+    return policy.model
+
+
+def _rank_main(root: Path) -> None:
+    """One torchrun rank (this file run as a script)."""
+    torch.set_num_threads(1)
+    launch = Launch.from_env()
+    assert launch is not None and launch.world_size == 2
+    distributed.init(launch)
+    model_dir = _model_dir(root)
+    try:
+        if launch.rank == 0:
+            spec = {"model": str(model_dir), "learning_rate": LR, "seed": 0}
+            # What the service gets from make_policy in a multi-rank job (float32, not used on).
+            picked = make_policy(spec, root, root / "run-picked", 0.0)
+            assert isinstance(picked, DistributedPolicy)
+            policy, stats = _scenario(lambda: DistributedPolicy.setup(
+                model_dir, root / "run-2", LR, 0, dtype=torch.float64))
+            model = _model_of(policy)
+            (root / "stats.json").write_text(json.dumps(stats))
+        else:
+            worker = distributed.worker_loop()
+            assert worker is not None
+            model = worker.model
+    finally:
+        distributed.shutdown()  # rank 0: sends Stop, which ends rank 1's worker_loop
+    torch.save(model.state_dict(), root / f"rank{launch.rank}.pt")
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    # Same thread count as the ranks: a CPU matmul's summation order may depend on it.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None) -> None:
+    model_dir = _model_dir(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         __file__, str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    two_s = time.monotonic() - started
+
+    ref, ref_stats = _scenario(lambda: TorchPolicy(
+        model_dir, tmp_path / "run-1", LR, 0, dtype=torch.float64))
+    ref_params = _model_of(ref).state_dict()
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    init = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float64).state_dict()
+
+    worst = moved = 0.0
+    for name, want in ref_params.items():
+        assert rank0[name].dtype == torch.float64
+        torch.testing.assert_close(rank0[name], want, rtol=0, atol=ATOL, msg=name)
+        torch.testing.assert_close(rank1[name], rank0[name], rtol=0, atol=0, msg=name)
+        worst = max(worst, float((rank0[name] - want).abs().max()))
+        moved = max(moved, float((want - init[name]).abs().max()))
+    assert moved > 1e-4  # the steps moved the weights, so equality is not vacuous
+    print(f"2 ranks vs 1 rank: max |param diff| {worst:.3e}, 2-rank job {two_s:.1f} s")
+
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    for got, want in zip(stats, ref_stats, strict=True):
+        assert (got["tokens"], got["samples"], got["groups"]) == (
+            want["tokens"], want["samples"], want["groups"])
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-12)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-9)
+    # The one-group step really ran on rank 1 alone and still moved the shared weights.
+    assert stats[1]["groups"] == 1 and stats[1]["grad_norm"] > 0
+    assert stats[3]["grad_norm"] == 0.0
+
+
+def test_world_of_one_is_the_plain_torch_policy(tmp_path: Path) -> None:
+    assert Launch.from_env({}) is None
+    assert Launch.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Launch(1, 2, 1)
+    assert distributed.channel() is None
+    spec = {"model": str(_model_dir(tmp_path)), "learning_rate": LR, "seed": 0}
+    policy = make_policy(spec, tmp_path, tmp_path / "run", 0.0)
+    assert type(policy) is TorchPolicy
+    with pytest.raises(distributed.DistributedError):
+        DistributedPolicy.setup(_model_dir(tmp_path), tmp_path / "run", LR, 0)
+    with pytest.raises(distributed.DistributedError):
+        distributed.worker_loop()
+
+
+if __name__ == "__main__":
+    _rank_main(Path(sys.argv[1]))

@@ -1,0 +1,398 @@
+"""Data-parallel training under ``torchrun``: rank 0 serves, every other rank follows its commands.
+
+Contract:
+
+- Rank 0 runs the ordinary trainer service (NATS, REST, checkpoints, publishing). Its policy is
+  a :class:`DistributedPolicy`, which has the same interface as
+  :class:`~trainer_svc.policy.TorchPolicy`; the service cannot tell the two apart. Ranks > 0
+  run :func:`worker_loop` and never touch the network beyond the process group.
+- Every call on rank 0's policy that changes training state is first broadcast as a command
+  (the dataclasses below) on a dedicated gloo *command group*, so every rank sees one total
+  order of commands. ``setup`` opens a run (the model directory is resolved by rank 0 first,
+  so a cached model is never built by two ranks at once); ``restore`` loads the newest
+  checkpoint everywhere, checks all ranks loaded the same version, then broadcasts rank 0's
+  parameters; ``add_group`` names one owner rank (round-robin over the run), and only the
+  owner backpropagates that group; ``step`` all-reduces (SUM) the gradients, a per-parameter
+  has-gradient flag and the step's counters, after which every rank runs the *same*
+  single-process code (:meth:`GrpoAccumulator.step`) on the same numbers, so parameters and
+  optimizer state stay identical on every rank without ever being sent again.
+- Only rank 0 writes checkpoints: its state equals every other rank's.
+- Replicated data parallelism with one explicit all-reduce per optimizer step, on CPU (gloo)
+  and CUDA (nccl) alike. DDP does not fit: it all-reduces inside every ``backward``, which
+  needs every rank to run the same number of backwards, but here a group is backpropagated by
+  its owner alone as it streams in. One reduction per step moves the same bytes DDP would.
+  Sharding (FSDP2) is for models that do not fit one device, which the trainer does not
+  target yet.
+- The data directory must be shared by the ranks (one node, or a shared file system).
+
+Failure: a rank that dies takes the torchrun job down (torchrun's own rule); the restarted
+trainer resumes from rank 0's last checkpoint like any restarted trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_svc.checkpoint import RunCheckpoints
+from trainer_svc.grpo import learning_rate_at
+from trainer_svc.policy import TorchPolicy
+
+log = logging.getLogger("trainer.dist")
+
+# The worker's receive waits this long for the next command; rank 0 sends a Ping after
+# HEARTBEAT_S of silence, so an idle trainer (no run for hours) never trips the timeout, while
+# a hung rank 0 is reported within minutes rather than waited on forever.
+COMMAND_TIMEOUT = timedelta(minutes=5)
+HEARTBEAT_S = 20.0
+
+
+# --- commands: rank 0 -> every other rank --------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    model_dir: Path  # HF model directory, already built by rank 0
+    run_dir: Path  # the run's checkpoint directory (shared file system)
+    learning_rate: float  # base rate; the schedule is learning_rate_at(step, base)
+    seed: int  # torch seed set before loading, as on rank 0
+    dtype: torch.dtype  # parameter dtype
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class AddGroup:
+    owner: int  # the one rank that backpropagates this group
+    prompts: list[list[int]]  # per sample, prompt token ids
+    responses: list[list[int]]  # per sample, response token ids
+    rewards: list[float]  # per sample, reward
+
+
+@dataclass(frozen=True, slots=True)
+class Reset:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    step_index: int  # RL step; sets the learning rate
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Setup | Restore | AddGroup | Reset | Step | Ping | Stop
+
+
+class DistributedError(RuntimeError):
+    """The ranks disagree (e.g. restored different checkpoints) or a command was out of order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Where this process sits in a torchrun job (torchrun's RANK/WORLD_SIZE/LOCAL_RANK)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Launch | None:
+        """The launch, or None when not started by torchrun."""
+        env = os.environ if env is None else env
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return None
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")))
+
+
+# --- the process-wide channel ---------------------------------------------------------------
+
+class Channel:
+    """The command group and, on rank 0, the sender with its heartbeat thread."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device  # where this rank's model lives (cuda:<local rank> under nccl)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._lock = threading.Lock()  # one broadcast at a time: the service thread vs heartbeat
+        self._last_send = time.monotonic()
+        self._closed = threading.Event()
+        self._error: BaseException | None = None
+        if self.rank == 0:
+            threading.Thread(target=self._heartbeat, name="dist-heartbeat", daemon=True).start()
+
+    def send(self, command: Command) -> None:
+        if self.rank != 0:
+            raise DistributedError("only rank 0 sends commands")
+        with self._lock:
+            if self._error is not None:
+                raise DistributedError(f"command channel failed: {self._error!r}")
+            if self._closed.is_set():
+                raise DistributedError("command channel closed")
+            dist.broadcast_object_list([command], src=0, group=self.group)
+            self._last_send = time.monotonic()
+            # Closed under the lock: a heartbeat after Stop would wait on workers that left.
+            if isinstance(command, Stop):
+                self._closed.set()
+
+    def receive(self) -> Command:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        command: Command = box[0]
+        return command
+
+    def close(self) -> None:
+        """Rank 0: tell the workers to leave (idempotent; a dead worker is not an error here)."""
+        if self.rank != 0 or self._closed.is_set():
+            return
+        try:
+            self.send(Stop())
+        except Exception as exc:  # workers already gone, e.g. torchrun forwarded the SIGTERM
+            log.warning("could not stop the workers: %r", exc)
+            self._closed.set()
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(HEARTBEAT_S / 4):
+            if time.monotonic() - self._last_send < HEARTBEAT_S:
+                continue
+            try:
+                self.send(Ping())
+            except Exception as exc:
+                # Surfaced by the next real command; torchrun ends the job when a rank dies.
+                log.error("heartbeat to the workers failed: %r", exc)
+                self._error = exc
+                return
+
+
+# torch.distributed's own state is process-wide; the channel lives beside it, because the
+# service builds policies through make_policy(spec, ...), which has no place to pass it.
+_channel: Channel | None = None
+
+
+def init(launch: Launch) -> Channel:
+    """Join the torchrun job: nccl on CUDA, gloo on CPU; a gloo command group on top."""
+    global _channel
+    if torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank)
+        device = torch.device("cuda", launch.local_rank)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    # Commands are pickled Python objects: they ride gloo on the CPU even beside nccl, and on
+    # their own group so a worker's receiver thread never interleaves with gradient traffic.
+    group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    _channel = Channel(group, device)
+    log.info("rank %d of %d on %s", launch.rank, launch.world_size, device)
+    return _channel
+
+
+def channel() -> Channel | None:
+    """The channel when this process is one of several ranks, else None."""
+    if _channel is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return _channel
+
+
+def shutdown() -> None:
+    """Stop the workers (rank 0) and leave the process group."""
+    global _channel
+    if _channel is not None:
+        _channel.close()
+        _channel = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- what every rank does identically --------------------------------------------------------
+
+def _build(setup: Setup, device: torch.device) -> TorchPolicy:
+    return TorchPolicy(setup.model_dir, setup.run_dir, setup.learning_rate, setup.seed,
+                       dtype=setup.dtype, device=device)
+
+
+def _sync_restore(local: TorchPolicy, version: int | None) -> int:
+    """Rank 0 passes the version it restored; the others restore only after it has.
+
+    Ordered so, because restoring may write the version's HF directory, and two ranks
+    writing one directory of a shared file system would corrupt it. A rank that then finds
+    another version means the data directory is not shared; every rank sees the same mismatch
+    flag, so all of them raise together.
+    """
+    device = next(local.model.parameters()).device
+    theirs = torch.tensor([version if version is not None else 0], dtype=torch.int64,
+                          device=device)
+    dist.broadcast(theirs, src=0)
+    if version is None:
+        version = local.checkpoints.restore(local.model, local.optimizer)
+    mismatch = torch.tensor([int(version != int(theirs[0]))], dtype=torch.int64, device=device)
+    dist.all_reduce(mismatch)
+    if int(mismatch[0]):
+        raise DistributedError(f"rank 0 restored v{int(theirs[0])} but a rank found another "
+                               "version; is the data directory shared?")
+    # Identical by construction already; the broadcast makes it so by fiat, once per run.
+    with torch.no_grad():
+        for p in local.model.parameters():
+            dist.broadcast(p.data, src=0)
+    return version
+
+
+def _reduce_and_step(local: TorchPolicy, step_index: int) -> dict[str, Any]:
+    acc = local.accumulator
+    params = list(local.model.parameters())
+    device, dtype = params[0].device, params[0].dtype
+    sizes = [p.numel() for p in params]
+    # One flat buffer: each gradient (zeros where this rank has none) then a has-gradient flag
+    # per parameter. The flags keep "no gradient" distinct from "zero gradient": AdamW still
+    # moves a parameter whose gradient is zero, so a parameter no rank touched must stay None,
+    # exactly as in a single process.
+    flat = torch.zeros(sum(sizes) + len(params), dtype=dtype, device=device)
+    offset = 0
+    for i, p in enumerate(params):
+        if p.grad is not None:
+            flat[offset:offset + sizes[i]].copy_(p.grad.reshape(-1))
+            flat[sum(sizes) + i] = 1
+        offset += sizes[i]
+    counters = torch.tensor([acc.tokens, acc.samples, acc.groups, acc.loss_sum, acc.reward_sum],
+                            dtype=torch.float64, device=device)
+    dist.all_reduce(flat)
+    dist.all_reduce(counters)
+    offset = 0
+    for i, p in enumerate(params):
+        has_grad = bool(flat[sum(sizes) + i] > 0)
+        p.grad = flat[offset:offset + sizes[i]].view_as(p).clone() if has_grad else None
+        offset += sizes[i]
+    acc.tokens, acc.samples, acc.groups = (int(x) for x in counters[:3].tolist())
+    acc.loss_sum, acc.reward_sum = (float(x) for x in counters[3:].tolist())
+    # From here each rank runs the single-process step on identical inputs.
+    return acc.step(lr=learning_rate_at(step_index, local.learning_rate))
+
+
+# --- rank 0 --------------------------------------------------------------------------------
+
+class DistributedPolicy:
+    """Rank 0's policy: broadcasts each training command, then does its own share."""
+
+    def __init__(self, local: TorchPolicy, chan: Channel) -> None:
+        self.local = local
+        self.chan = chan
+        self.checkpoints: RunCheckpoints = local.checkpoints
+        self.eos_id: int = local.eos_id
+        self._groups = 0  # groups added this run: the next owner is _groups % world
+
+    @classmethod
+    def setup(cls, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
+              dtype: torch.dtype = torch.float32) -> DistributedPolicy:
+        chan = channel()
+        if chan is None:
+            raise DistributedError("torch.distributed is not initialised with several ranks")
+        cmd = Setup(model_dir, run_dir, learning_rate, seed, dtype)
+        chan.send(cmd)
+        return cls(_build(cmd, chan.device), chan)
+
+    def restore(self) -> int:
+        self.chan.send(Restore())
+        return _sync_restore(self.local, self.local.restore())
+
+    def reward(self, prompt: list[int], response: list[int]) -> float:
+        return self.local.reward(prompt, response)
+
+    def add_group(self, prompts: list[list[int]], responses: list[list[int]],
+                  rewards: list[float]) -> None:
+        owner = self._groups % self.chan.world_size
+        self._groups += 1
+        # Sent even when rank 0 owns it: the sequence of commands is identical on every rank.
+        self.chan.send(AddGroup(owner, prompts, responses, rewards))
+        if owner == 0:
+            self.local.add_group(prompts, responses, rewards)
+
+    def reset(self) -> None:
+        self.chan.send(Reset())
+        self.local.reset()
+
+    def step(self, step_index: int) -> dict[str, Any]:
+        self.chan.send(Step(step_index))
+        return _reduce_and_step(self.local, step_index)
+
+    def save(self, version: int) -> None:
+        self.local.save(version)
+
+
+# --- ranks > 0 -----------------------------------------------------------------------------
+
+def worker_loop() -> TorchPolicy | None:
+    """Serve rank 0's commands until Stop; returns the last policy (tests compare it)."""
+    chan = channel()
+    if chan is None or chan.rank == 0:
+        raise DistributedError("worker_loop runs on ranks > 0 of a multi-rank job")
+    # A receiver thread keeps taking commands while the main thread computes, so rank 0's
+    # add_group returns at once and the ranks backpropagate their groups in parallel.
+    inbox: queue.Queue[Command | BaseException] = queue.Queue()
+
+    def receive() -> None:
+        while True:
+            try:
+                command = chan.receive()
+            except BaseException as exc:
+                inbox.put(exc)
+                return
+            inbox.put(command)
+            if isinstance(command, Stop):
+                return
+
+    threading.Thread(target=receive, name="dist-receive", daemon=True).start()
+    policy: TorchPolicy | None = None
+    while True:
+        item = inbox.get()
+        if isinstance(item, BaseException):
+            raise DistributedError(f"lost rank 0: {item!r}") from item
+        if isinstance(item, Stop):
+            return policy
+        if isinstance(item, Setup):
+            policy = None  # free the last run's model before loading the next
+            try:
+                policy = _build(item, chan.device)
+            except Exception:
+                # Rank 0 fails the same load and fails the run; this rank waits for the next
+                # Setup instead of taking the whole job down over one bad run.
+                log.exception("could not set up %s", item.model_dir)
+        elif not isinstance(item, Ping):
+            if policy is None:
+                raise DistributedError(f"{type(item).__name__} before any Setup")
+            _apply(policy, item, chan.rank)
+
+
+def _apply(policy: TorchPolicy, command: Command, rank: int) -> None:
+    match command:
+        case Restore():
+            _sync_restore(policy, None)
+        case AddGroup(owner=owner) if owner == rank:
+            policy.add_group(command.prompts, command.responses, command.rewards)
+        case Reset():
+            policy.reset()
+        case Step(step_index=step_index):
+            _reduce_and_step(policy, step_index)
+        case _:
+            pass  # a group owned by another rank
