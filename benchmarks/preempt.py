@@ -30,6 +30,7 @@ from shared.stack import Stack
 SPEC = {"model": "emu", "steps": 6, "prompts_per_step": 16, "samples_per_prompt": 4,
         "max_new_tokens": 512, "seed": 3}
 CHUNK_TOKENS = 4
+SPOT = 4
 ENV = {"RLBOOST_EMU_TIME_SCALE": "1.0", "RLBOOST_LEASE_TTL_S": "1.5",
        "RLBOOST_INSTANCE_TTL_S": "1.5", "RLBOOST_HEARTBEAT_S": "0.25",
        "RLBOOST_CHUNK_TOKENS": str(CHUNK_TOKENS), "RLBOOST_GRACE_S": "5",
@@ -37,14 +38,19 @@ ENV = {"RLBOOST_EMU_TIME_SCALE": "1.0", "RLBOOST_LEASE_TTL_S": "1.5",
 
 
 def preempt_loop(cluster: Cluster, every_s: float, stop: threading.Event) -> int:
-    """Preempt spot instances in rotation until ``stop``; returns how many."""
+    """Preempt spot instances in rotation until ``stop``; returns how many. Each preempted
+    instance is replaced at once, so spot capacity stays at SPOT processes (churn, as on a
+    spot market), never more."""
     count = 0
+    signalled: set[str] = set()
     while not stop.wait(every_s):
-        spots = [c for c in cluster.children if c.name.startswith("spot") and c.alive()]
-        if not spots:
-            continue
+        spots = [c for c in cluster.children
+                 if c.name.startswith("spot") and c.alive() and c.name not in signalled]
+        if len(spots) < SPOT:
+            continue  # replacements still starting: preempt only a full pool
         victim = spots[count % len(spots)]
         victim.signal(signal.SIGTERM if count % 2 == 0 else signal.SIGKILL)
+        signalled.add(victim.name)
         cluster.add_instance("spot", f"spot-r{count}")
         count += 1
     return count
@@ -55,7 +61,7 @@ def run_mode(mode: str, root: Path, every_s: float) -> dict[str, Any]:
     stack.start()
     env = {**stack.env(), **ENV, "RLBOOST_DATA_DIR": str(root / "data"),
            "RLBOOST_MIGRATION": mode}
-    cluster = Cluster(root, spot=4, reserved=1, engine="emu", base_env=env)
+    cluster = Cluster(root, spot=SPOT, reserved=1, engine="emu", base_env=env)
     try:
         cluster.start()
         url = cluster.env["RLBOOST_MANAGER_URL"]
@@ -93,7 +99,7 @@ def run_mode(mode: str, root: Path, every_s: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--every", type=float, default=2.0, help="seconds between preemptions")
+    parser.add_argument("--every", type=float, default=3.0, help="seconds between preemptions")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlboost-bench-") as tmp:
