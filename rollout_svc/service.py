@@ -44,6 +44,7 @@ from shared.protocol import (
     encode,
 )
 from shared.weights_client import pull_version
+from shared.weights_peer import PeerServer
 
 log = logging.getLogger("rollout")
 
@@ -101,6 +102,9 @@ class RolloutService:
         common = self.cfg.common
         self.metrics_port = serve_metrics(self.metrics.registry, common.metrics_addr,
                                           common.metrics_port)
+        # Serves this instance's verified weight chunks to joining peers (shared.weights_peer).
+        self.peer = PeerServer.from_env(self.weights_dir, common.weights_token)
+        self.peer.start()
         self.nc = await connect_nats(common.nats_url, self.cfg.instance_id)
         self.js = self.nc.jetstream()
         await self.nc.subscribe(names.assign_subject(self.cfg.instance_id), cb=self._on_assign)
@@ -123,6 +127,7 @@ class RolloutService:
             log.warning("grace period of %.1fs ran out; leaving anyway", self.cfg.grace_s)
         with contextlib.suppress(Exception):
             await self.nc.close()
+        await asyncio.to_thread(self.peer.close)
 
     def notice(self, reason: str = "preempt") -> None:
         """Preemption notice (SIGTERM) or operator stop (SIGINT): drain and leave."""
@@ -207,17 +212,21 @@ class RolloutService:
             self._want(announce.run_id, announce.weight_version)
 
     async def _load(self, run_id: str, version: int) -> None:
-        """Pull the version (verified, atomic), then swap it into the engine."""
+        """Pull the version (verified, atomic; chunks from peers too), then swap it into the
+        engine; the peer server then offers it to instances that join later."""
         previous = self.state
         self.state = "loading"
         try:
             common = self.cfg.common
             path = await pull_version(common.weights_url, common.weights_token, run_id,
-                                      version, self.weights_dir, timeout_s=30.0)
+                                      version, self.weights_dir, timeout_s=30.0,
+                                      peers=True, serve=self.peer)
             with self.metrics.load_seconds.time():
                 await asyncio.to_thread(self.engine.load, path, run_id, version)
         except Exception as exc:  # the next heartbeat retries; the instance stays usable
-            log.warning("loading %s v%d failed: %s", run_id, version, exc)
+            # Not yet published is the normal state of a version the trainer is still writing.
+            level = logging.INFO if getattr(exc, "retryable", False) else logging.WARNING
+            log.log(level, "loading %s v%d failed: %s", run_id, version, exc)
             self.state = previous if previous != "loading" else "starting"
             await asyncio.sleep(0.5)
             return

@@ -1,19 +1,19 @@
 """``python -m weight_svc``: read WeightsConfig from the environment, log it once, serve.
 
-The service listens on the port of RLBOOST_WEIGHTS_URL (default 8001). It binds the URL's host
-when that is an IP address (a loopback URL must not expose the store to the network) and all
-interfaces when it is a DNS name, which in a container or cluster names this machine from outside.
+The service listens on the port of RLBOOST_WEIGHTS_URL (default 8001), and serves downloads fast
+on a second port (RLBOOST_WEIGHTS_DATA_PORT, default any free one; see weight_svc.peers). It binds
+the URL's host when that is an IP address (a loopback URL must not expose the store to the
+network) and all interfaces when it is a DNS name, which in a container or cluster names this
+machine from outside.
 SIGTERM and SIGINT stop it gracefully: uvicorn stops accepting, drains requests for a bounded
 time, then the lifespan closes the NATS connection.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import signal
 from types import FrameType
-from urllib.parse import urlparse
 
 import uvicorn
 
@@ -21,22 +21,13 @@ from shared.config import WeightsConfig, url_port
 from shared.logs import setup_logging
 from shared.process import die_with_parent
 from weight_svc.app import create_app
+from weight_svc.peers import bind_host
 from weight_svc.store import StoreLimits
 
 log = logging.getLogger("weight_svc")
 
 DEFAULT_PORT = 8001
 GRACEFUL_SHUTDOWN_S = 10  # long downloads are cut after this; clients resume by range
-
-
-def bind_host(url: str) -> str:
-    host = urlparse(url).hostname or ""
-    if host == "localhost":
-        return "127.0.0.1"
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        return "0.0.0.0"
 
 
 def main() -> None:

@@ -11,6 +11,17 @@ Endpoints (every ``/v1`` one requires ``Authorization: Bearer <token>`` when a t
     GET    /v1/weights/{run_id}/{version}/files/{name} the file; one ``Range: bytes=a-b`` -> 206
     POST   /v1/weights/{run_id}/{version}/pin          never collect this version
     DELETE /v1/weights/{run_id}/{version}/pin
+    POST   /v1/weights/{run_id}/{version}/peers        {"url": "http://host:port"}: a peer
+                                                       serves this version (expires in 60 s)
+    GET    /v1/weights/{run_id}/{version}/peers        {"peers": [url, ...]}
+
+Collection keeps the newest max(K, 2) versions (K = RLBOOST_WEIGHTS_KEEP) and every pinned one:
+in synchronous training the step being rolled out uses the newest or, while the trainer publishes
+the next, the one before, so an instance joining mid-step always finds its step's version. A
+caller that holds a version longer (an evaluation, a slow step) pins it and unpins it after.
+
+Downloads are served twice: by this API, and fast by the ``sendfile`` data plane of
+:mod:`weight_svc.peers` on the port that manifest replies name in ``X-Rlboost-Data-Port``.
 
 Contract: every error is JSON ``{"detail": ...}`` with a 4xx status (507 when the disk itself
 fails); no traceback ever reaches a client. Bodies stream in both directions, so memory use does
@@ -31,9 +42,9 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, BinaryIO
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -41,18 +52,27 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from shared.config import WeightsConfig
 from shared.weights_client import Manifest
 from weight_svc.announce import Announcer
+from weight_svc.peers import (
+    DATA_PORT_HEADER,
+    DataPlane,
+    PeerRegistry,
+    bind_host,
+    check_peer_url,
+    data_port,
+)
 from weight_svc.store import Store, StoreError, StoreLimits, check_ids
 
 log = logging.getLogger(__name__)
 
 _WRITE_BATCH = 1 << 20  # request pieces are small; one thread hop per MiB, not per piece
-_READ_BLOCK = 256 << 10
+_READ_BLOCK = 1 << 20
 _RANGE_RE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
@@ -95,10 +115,24 @@ def _parse_range(header: str, size: int) -> tuple[int, int]:
     return start, end
 
 
-def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI:
-    """The service; ``limits`` default to RLBOOST_WEIGHTS_CHUNK_BYTES / _MAX_FILE_BYTES."""
-    store = Store(cfg.common.data_dir, limits or StoreLimits.from_env())
+class PeerIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(max_length=300)  # http://host:port of the peer's chunk server
+
+
+def create_app(
+    cfg: WeightsConfig, limits: StoreLimits | None = None, env: Mapping[str, str] | None = None
+) -> FastAPI:
+    """The service; ``limits`` default to RLBOOST_WEIGHTS_CHUNK_BYTES / _MAX_FILE_BYTES and the
+    data plane's port to RLBOOST_WEIGHTS_DATA_PORT, both read from ``env`` (os.environ)."""
+    env = os.environ if env is None else env
+    store = Store(cfg.common.data_dir, limits or StoreLimits.from_env(env))
     metrics = Metrics()
+    peers = PeerRegistry()
+    data = DataPlane(
+        store, bind_host(cfg.common.weights_url), data_port(env), cfg.token,
+        metrics.bytes_served.inc,
+    )
     announcer = Announcer(cfg.common.nats_url)
     run_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
@@ -116,9 +150,12 @@ def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI
         for run_id in await asyncio.to_thread(store.runs):
             count_versions(run_id)
         announcer.start()
+        data.start()
+        log.info("data plane (sendfile downloads) on port %d", data.port)
         try:
             yield
         finally:
+            await asyncio.to_thread(data.close)
             await announcer.close()
 
     app = FastAPI(title="rlboost weight service", lifespan=lifespan)
@@ -175,8 +212,22 @@ def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI
         return await asyncio.to_thread(store.latest, run_id)
 
     @v1.get("/{run_id}/{version}/manifest", response_model=None)
-    async def manifest(run_id: str, version: int) -> Manifest:
-        return await asyncio.to_thread(store.manifest, run_id, version)
+    async def manifest(run_id: str, version: int, response: Response) -> Manifest:
+        result = await asyncio.to_thread(store.manifest, run_id, version)
+        response.headers[DATA_PORT_HEADER] = str(data.port)
+        return result
+
+    @v1.post("/{run_id}/{version}/peers")
+    async def add_peer(run_id: str, version: int, body: PeerIn) -> dict[str, Any]:
+        url = check_peer_url(body.url)
+        await asyncio.to_thread(store.manifest, run_id, version)  # published versions only
+        ttl = peers.register(run_id, version, url)
+        return {"run_id": run_id, "version": version, "url": url, "ttl_s": ttl}
+
+    @v1.get("/{run_id}/{version}/peers")
+    async def list_peers(run_id: str, version: int) -> dict[str, Any]:
+        check_ids(run_id, version)
+        return {"run_id": run_id, "version": version, "peers": peers.peers(run_id, version)}
 
     @v1.put("/{run_id}/{version}/files/{name}")
     async def put_file(run_id: str, version: int, name: str, request: Request) -> dict[str, Any]:
@@ -212,6 +263,7 @@ def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI
             gone = await asyncio.to_thread(store.collect, run_id, cfg.keep_last, version)
         if gone:
             log.info("collected %s versions %s", run_id, gone)
+            peers.forget(run_id, gone)
             metrics.collected.inc(len(gone))
         count_versions(run_id)
         if created:

@@ -39,6 +39,10 @@ from shared.weights_client import (
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_MAX_FILE_BYTES = 8 << 30
+# The newest two versions are never collected, whatever K: the step being rolled out uses the
+# newest or (while the trainer publishes the next) the one before, and an instance that joins
+# mid-step must still find it. Anything held longer is pinned by its user.
+MIN_KEEP = 2
 
 
 class StoreError(WeightsError):
@@ -271,10 +275,11 @@ class Store:
         self._pin(run_id, version).unlink(missing_ok=True)
 
     def collect(self, run_id: str, keep_last: int, protect: int | None = None) -> list[int]:
-        """Remove all but the newest ``keep_last`` versions, sparing pinned ones and ``protect``
-        (a just-committed older version must not vanish before its committer sees it)."""
+        """Remove all but the newest max(``keep_last``, MIN_KEEP) versions, sparing pinned ones
+        and ``protect`` (a just-committed older version must not vanish before its committer
+        sees it)."""
         versions = self.versions(run_id)
-        keep = set(versions[-keep_last:]) | set(self.pins(run_id))
+        keep = set(versions[-max(keep_last, MIN_KEEP) :]) | set(self.pins(run_id))
         if protect is not None:
             keep.add(protect)
         gone = [v for v in versions if v not in keep]

@@ -1,0 +1,220 @@
+"""``make bench-weights``: weight transfer against raw loopback TCP, and peer fan-out, one run.
+
+Everything is real and on this machine: a ``python -m weight_svc`` process serving a synthetic
+checkpoint (random bytes, ``--gib`` GiB, 64 MiB chunks), pullers using ``shared.weights_client``.
+Printed, all measured in this run:
+1. raw loopback TCP: a plain socket ``sendall`` of the checkpoint's bytes (read from the file in
+   16 MiB blocks) to a ``recv_into`` that discards them: the baseline. For reference also the
+   kernel's ``sendfile`` of the same file to the same receiver (the fastest way to send a file).
+2. one puller: ``pull_version`` (every chunk sha256-verified, written, fsynced, renamed) and its
+   throughput as a ratio of the baseline. Each of 1 and 2 runs ``--repeat`` times, interleaved,
+   best kept: on a shared machine the other load only ever slows a run down.
+3. eight joiners started at the same moment, each its own process, without and with peer fan-out:
+   completion time of the last one, and the service's egress (its ``bytes_served`` counter) as a
+   multiple of the checkpoint size. With fan-out each joiner runs a PeerServer offering the chunks
+   it has verified so far (chunk-level availability) and takes chunks from the others.
+
+Pullers write to /dev/shm when it exists: the link and the protocol are measured, not the disk
+(fsync on tmpfs is free; on the VM disk here it costs ~2 s per GiB whatever the protocol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from shared.weights_client import pull_version, upload_version
+from shared.weights_peer import PeerServer
+
+REPO = Path(__file__).resolve().parent.parent
+CHUNK = 64 << 20
+TOKEN = "bench-token"
+RUN = "bench"
+
+
+def make_checkpoint(model: Path, gib: float) -> int:
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "synthetic"}')
+    rng = np.random.default_rng(0)
+    size = int(gib * (1 << 30))
+    with (model / "model.safetensors").open("wb") as f:
+        for start in range(0, size, 64 << 20):
+            f.write(rng.bytes(min(64 << 20, size - start)))
+    return size + len('{"model_type": "synthetic"}')
+
+
+def raw_tcp(path: Path, use_sendfile: bool) -> float:
+    """Seconds to move the file's bytes over one loopback TCP connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def send() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s, path.open("rb") as f:
+            if use_sendfile:
+                s.sendfile(f)
+            else:
+                while block := f.read(16 << 20):
+                    s.sendall(block)
+
+    started = time.perf_counter()
+    sender = threading.Thread(target=send)
+    sender.start()
+    conn, _ = listener.accept()
+    buf = bytearray(1 << 20)
+    while conn.recv_into(buf):
+        pass
+    elapsed = time.perf_counter() - started
+    sender.join()
+    conn.close()
+    listener.close()
+    return elapsed
+
+
+def egress(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    m = re.search(r"^rlboost_weights_bytes_served_total (\S+)$", text, re.M)
+    assert m is not None, "no egress counter"
+    return float(m[1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_service(data: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBOOST_")}
+    env.update(RLBOOST_WEIGHTS_URL=f"http://127.0.0.1:{port}", RLBOOST_DATA_DIR=str(data),
+               RLBOOST_NATS_URL=f"nats://127.0.0.1:{free_port()}", RLBOOST_LOG_LEVEL="WARNING",
+               RLBOOST_WEIGHTS_CHUNK_BYTES=str(CHUNK), RLBOOST_WEIGHTS_TOKEN=TOKEN)
+    proc = subprocess.Popen([sys.executable, "-m", "weight_svc"], cwd=REPO, env=env)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("weight service did not start")
+
+
+def joiner(url: str, dest: Path, peers: bool) -> None:
+    """One joining instance (run as its own process): pull, keep serving until told to stop."""
+    logging.basicConfig(level=logging.WARNING, format=f"joiner {dest.name}: %(message)s")
+    logging.getLogger("shared.weights_pull").setLevel(logging.INFO)  # where its bytes came from
+    serve = PeerServer(dest, TOKEN) if peers else None
+    if serve is not None:
+        serve.start()
+    started = time.perf_counter()
+    asyncio.run(pull_version(url, TOKEN, RUN, 1, dest, parallel=2, timeout_s=120,
+                             peers=peers, serve=serve))
+    print(f"done {time.perf_counter() - started:.3f}", flush=True)
+    sys.stdin.read()  # keep serving peers until the benchmark closes our stdin
+    if serve is not None:
+        serve.close()
+
+
+def joiners(url: str, root: Path, n: int, peers: bool) -> tuple[float, list[float]]:
+    started = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.weights", "--joiner", url, str(root / f"j{i}"),
+             "1" if peers else "0"],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for i in range(n)
+    ]
+    times = []
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line.startswith("done"):
+            raise RuntimeError(f"a joiner failed (rc={p.wait()})")
+        times.append(float(line.split()[1]))
+    wall = time.perf_counter() - started
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.close()
+        p.wait(timeout=30)
+    return wall, times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--joiners", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--joiner", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.joiner:
+        joiner(args.joiner[0], Path(args.joiner[1]), args.joiner[2] == "1")
+        return
+    root = Path(tempfile.mkdtemp(prefix="rlboost-bench-weights-", dir="/tmp"))
+    shm = Path("/dev/shm")
+    pulls = Path(tempfile.mkdtemp(prefix="rlboost-bench-pulls-", dir=shm if shm.is_dir() else root))
+    proc, url = start_service(root / "data")
+    try:
+        size = make_checkpoint(root / "model", args.gib)
+        asyncio.run(upload_version(url, TOKEN, RUN, 1, root / "model", timeout_s=120))
+        weights = root / "model" / "model.safetensors"
+        raw, ref, pull = [], [], []
+        for i in range(args.repeat):
+            raw.append(raw_tcp(weights, use_sendfile=False))
+            ref.append(raw_tcp(weights, use_sendfile=True))
+            dest = pulls / f"single{i}"
+            t = time.perf_counter()
+            asyncio.run(pull_version(url, TOKEN, RUN, 1, dest, parallel=2, timeout_s=120))
+            pull.append(time.perf_counter() - t)
+            shutil.rmtree(dest)
+        gib = size / (1 << 30)
+        raw_s, ref_s, pull_s = min(raw), min(ref), min(pull)
+        rows = [("raw TCP send/recv (baseline)", raw_s, gib / raw_s, 1.0),
+                ("raw TCP sendfile/recv (ref.)", ref_s, gib / ref_s, raw_s / ref_s),
+                ("one puller (verified)", pull_s, gib / pull_s, raw_s / pull_s)]
+        results = {}
+        for peers in (False, True):
+            before = egress(url)
+            wall, times = joiners(url, pulls / f"join{int(peers)}", args.joiners, peers)
+            results[peers] = (wall, max(times), (egress(url) - before) / size)
+            shutil.rmtree(pulls / f"join{int(peers)}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(pulls, ignore_errors=True)
+
+    print(f"\ncheckpoint {size / (1 << 30):.2f} GiB, {CHUNK >> 20} MiB chunks, "
+          f"{os.cpu_count()} CPUs, pulls into {pulls.parent}; best of {args.repeat}")
+    print(f"{'transfer':34} {'seconds':>8} {'GiB/s':>7} {'x baseline':>11}")
+    for name, secs, rate, ratio in rows:
+        print(f"{name:34} {secs:8.2f} {rate:7.2f} {ratio:11.2f}")
+    head = f"{args.joiners} joiners started at once"
+    print(f"\n{head:34} {'all done s':>10} {'slowest pull s':>15} {'egress x ckpt':>14}")
+    for peers, (wall, slowest, mult) in results.items():
+        name = "with peer fan-out" if peers else "service only"
+        print(f"{name:34} {wall:10.2f} {slowest:15.2f} {mult:14.2f}")
+    ratio = raw_s / pull_s
+    fan = results[True][2]
+    print(f"\nacceptance: one puller {ratio:.2f}x baseline (>= 0.8: "
+          f"{'PASS' if ratio >= 0.8 else 'FAIL'}); fan-out egress {fan:.2f}x checkpoint "
+          f"(<= 2: {'PASS' if fan <= 2 else 'FAIL'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The weight wire format both ends share: manifest types, name rules, manifest checks.
+
+Contract: a version is a flat set of files; each file is cut into contiguous chunks that carry
+their own sha256, and a chunk is the unit of download, verification, resume and peer exchange.
+Chunks are numbered globally in manifest order (files sorted by name, chunks ascending), so a
+peer can say which chunks it holds with a list of small integers. Every name that will become
+part of a path on either side passes :func:`valid_name` / :func:`valid_run_id` first: the
+patterns forbid '/', '..' and leading dots, so nothing escapes a run's directory.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple, TypedDict
+
+from shared.errors import WeightsError
+
+RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # never starts with '.'
+MAX_VERSION = 10**9
+MANIFEST_NAME = "manifest.json"  # sits beside the files in a version directory: reserved
+MAX_CHUNKS = 1 << 20  # a manifest naming more chunks than this is refused (bounded memory)
+
+
+class ChunkEntry(TypedDict):
+    offset: int  # byte offset of the chunk in its file
+    size: int  # bytes; every chunk but a file's last is exactly chunk_bytes
+    sha256: str  # hex digest of the chunk's bytes
+
+
+class FileEntry(TypedDict):
+    name: str  # flat file name inside the version directory
+    size: int  # bytes
+    sha256: str  # hex digest of the whole file
+    chunks: list[ChunkEntry]  # ascending, contiguous, covering the file
+
+
+class Manifest(TypedDict):
+    run_id: str
+    version: int
+    chunk_bytes: int  # chunk size the service used when it committed the version
+    files: list[FileEntry]  # sorted by name
+
+
+class Chunk(NamedTuple):
+    """One chunk with everything a fetch needs; ``number`` is its global index."""
+
+    number: int
+    name: str
+    offset: int
+    size: int
+    sha256: str
+
+
+def valid_run_id(run_id: str) -> bool:
+    return RUN_ID_RE.fullmatch(run_id) is not None
+
+
+def valid_version(version: int) -> bool:
+    return 0 <= version <= MAX_VERSION
+
+
+def valid_name(name: str) -> bool:
+    return NAME_RE.fullmatch(name) is not None and name != MANIFEST_NAME
+
+
+def check_ids(run_id: str, version: int) -> None:
+    if not valid_run_id(run_id):
+        raise WeightsError(f"invalid run id {run_id!r}", retryable=False)
+    if not valid_version(version):
+        raise WeightsError(f"invalid version {version!r}: 0..{MAX_VERSION}", retryable=False)
+
+
+def check_manifest(manifest: Manifest, run_id: str, version: int) -> None:
+    """Refuse a manifest that could write outside the directory or leave holes in a file."""
+    if manifest.get("run_id") != run_id or manifest.get("version") != version:
+        raise WeightsError(f"manifest is for another version: {manifest!r:.200}", False)
+    count = 0
+    for f in manifest["files"]:
+        if not valid_name(f["name"]):
+            raise WeightsError(f"manifest names an invalid file {f['name']!r}", False)
+        offset = 0
+        for c in f["chunks"]:
+            if c["offset"] != offset or c["size"] <= 0:
+                raise WeightsError(f"manifest chunks of {f['name']} are not contiguous", False)
+            offset += c["size"]
+        if offset != f["size"]:
+            raise WeightsError(f"manifest chunks of {f['name']} do not cover the file", False)
+        count += len(f["chunks"])
+    if count > MAX_CHUNKS:
+        raise WeightsError(f"manifest has {count} chunks, more than {MAX_CHUNKS}", False)
+
+
+def chunks_of(manifest: Manifest) -> list[Chunk]:
+    """Every chunk of the version in global order (the numbering peers advertise)."""
+    out: list[Chunk] = []
+    for f in manifest["files"]:
+        for c in f["chunks"]:
+            out.append(Chunk(len(out), f["name"], c["offset"], c["size"], c["sha256"]))
+    return out
+
+
+def total_bytes(manifest: Manifest) -> int:
+    return sum(f["size"] for f in manifest["files"])

@@ -1,0 +1,195 @@
+"""Peer fan-out, serving side: a rollout instance hands its verified chunks to other instances.
+
+Contract: a :class:`PeerServer` serves, from this instance's weights directory,
+    GET /v1/peer/<run>/<version>/files/<name>   one chunk-aligned ``Range`` -> 206 (sendfile)
+    GET /v1/peer/<run>/<version>/have           {"complete": bool, "chunks": [index, ...]}
+and nothing else. It serves only bytes it has verified: a complete pulled version (its final
+directory, published by :func:`shared.weights_pull.pull_version` after every chunk matched), or,
+while a pull is running, exactly the chunks that pull recorded as verified (chunk-level
+availability, so joiners that start together feed each other). Any other range is 404. It
+requires the weights token when one is set, binds RLBOOST_PEER_ADDR (default 127.0.0.1) on
+RLBOOST_PEER_PORT (default any free port), and announces itself to the weight service
+(``POST /v1/weights/<run>/<version>/peers``) for every version it serves, refreshing every
+``REFRESH_S`` (the service forgets a peer after 60 s) until the version is gone from disk.
+
+Peers are never trusted: the puller verifies every chunk against the service's manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from shared.errors import ConfigError
+from shared.weights_manifest import MANIFEST_NAME, Chunk, Manifest, chunks_of
+from shared.weights_partial import local_manifest
+from shared.weights_serve import RangeError, RangeServer
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 20.0
+PEER_PREFIX = "/v1/peer"
+
+
+@dataclass(slots=True)
+class _Offer:
+    """A pull in progress: which chunks of which directory are verified so far."""
+
+    manifest: Manifest
+    chunks: list[Chunk]
+    directory: Path
+    done: set[int]  # shared with the Partial that records verified chunks
+
+
+class PeerServer:
+    def __init__(
+        self, weights_dir: Path, token: str | None, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.weights_dir = weights_dir
+        self.token = token
+        self._offers: dict[tuple[str, int], _Offer] = {}
+        self._finals: dict[tuple[str, int], Manifest] = {}
+        self._adverts: dict[tuple[str, str, int], None] = {}  # (service url, run, version)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._refresher: threading.Thread | None = None
+        self.bytes_served = 0
+        self.server = RangeServer(
+            host, port, PEER_PREFIX, self._resolve, token, self._count,
+            json_hook=self._json, range_hook=self._check_range,
+        )
+        self.url = f"http://{host}:{self.server.port}"
+
+    @classmethod
+    def from_env(
+        cls, weights_dir: Path, token: str | None, env: Mapping[str, str] | None = None
+    ) -> PeerServer:
+        env = os.environ if env is None else env
+        port = env.get("RLBOOST_PEER_PORT", "") or "0"
+        if not port.isdigit() or int(port) > 65535:
+            raise ConfigError("RLBOOST_PEER_PORT", f"expected a port 0..65535, got {port!r}")
+        return cls(weights_dir, token, env.get("RLBOOST_PEER_ADDR") or "127.0.0.1", int(port))
+
+    def start(self) -> None:
+        self.server.start()
+        if self._refresher is None:
+            self._refresher = threading.Thread(
+                target=self._refresh, name="peer-refresh", daemon=True
+            )
+            self._refresher.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        if self._refresher is not None:
+            self._refresher.join()
+            self._refresher = None
+        self.server.close()
+
+    # --- what this instance holds --------------------------------------------------------
+
+    def offer(self, run_id: str, version: int, manifest: Manifest, directory: Path,
+              done: set[int]) -> None:
+        """Serve the verified chunks of a pull in progress (``done`` grows as it runs)."""
+        with self._lock:
+            self._offers[(run_id, version)] = _Offer(manifest, chunks_of(manifest), directory, done)
+
+    def withdraw(self, run_id: str, version: int) -> None:
+        """The pull ended: from now on only a complete final directory is served."""
+        with self._lock:
+            self._offers.pop((run_id, version), None)
+
+    def advertise(self, service_url: str, run_id: str, version: int) -> None:
+        """Register with the service now (in the background) and keep the entry fresh."""
+        with self._lock:
+            self._adverts[(service_url, run_id, version)] = None
+        self._wake.set()
+
+    def _final(self, run_id: str, version: int) -> Path:
+        return self.weights_dir / run_id / str(version)
+
+    def _complete(self, run_id: str, version: int) -> Manifest | None:
+        final = self._final(run_id, version)
+        with self._lock:
+            cached = self._finals.get((run_id, version))
+        if cached is not None and (final / MANIFEST_NAME).is_file():
+            return cached  # a final directory never changes; it can only disappear
+        manifest = local_manifest(final, run_id, version)
+        with self._lock:
+            if manifest is None:
+                self._finals.pop((run_id, version), None)
+            else:
+                self._finals[(run_id, version)] = manifest
+        return manifest
+
+    # --- the server's hooks (run in its threads) -------------------------------------------
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_served += n
+
+    def _resolve(self, run_id: str, version: int, name: str) -> Path:
+        if self._complete(run_id, version) is not None:
+            return self._final(run_id, version) / name
+        with self._lock:
+            offer = self._offers.get((run_id, version))
+        if offer is None or all(f["name"] != name for f in offer.manifest["files"]):
+            raise RangeError(404, f"{run_id}/{version}/{name} is not held here")
+        return offer.directory / name
+
+    def _check_range(self, run_id: str, version: int, name: str, start: int, end: int) -> None:
+        if self._complete(run_id, version) is not None:
+            return
+        with self._lock:
+            offer = self._offers.get((run_id, version))
+            ok = offer is not None and any(
+                c.name == name and c.offset == start and c.offset + c.size == end
+                and c.number in offer.done for c in offer.chunks
+            )
+        if not ok:
+            raise RangeError(404, f"{name} bytes {start}-{end - 1}: not a verified chunk here")
+
+    def _json(self, run_id: str, version: int, what: str) -> object:
+        if what != "have":
+            raise RangeError(404, f"no route {what[:40]!r}")
+        if self._complete(run_id, version) is not None:
+            return {"complete": True, "chunks": []}
+        with self._lock:
+            offer = self._offers.get((run_id, version))
+            if offer is None:
+                raise RangeError(404, f"{run_id}/{version} is not held here")
+            return {"complete": False, "chunks": sorted(offer.done)}
+
+    # --- registration with the service --------------------------------------------------------
+
+    def _servable(self, run_id: str, version: int) -> bool:
+        with self._lock:
+            if (run_id, version) in self._offers:
+                return True
+        return (self._final(run_id, version) / MANIFEST_NAME).is_file()
+
+    def _refresh(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        with httpx.Client(headers=headers, timeout=5.0) as client:
+            while not self._closed.is_set():
+                self._wake.clear()  # before reading: a wake from now on means another round
+                with self._lock:
+                    adverts = list(self._adverts)
+                for service_url, run_id, version in adverts:
+                    if not self._servable(run_id, version):
+                        with self._lock:
+                            self._adverts.pop((service_url, run_id, version), None)
+                        continue
+                    url = f"{service_url}/v1/weights/{run_id}/{version}/peers"
+                    try:  # best effort: an unregistered peer costs egress, not correctness
+                        client.post(url, json={"url": self.url}).raise_for_status()
+                    except httpx.HTTPError as exc:
+                        log.info("registering as a peer of %s/%d failed: %s", run_id, version, exc)
+                self._wake.wait(REFRESH_S)

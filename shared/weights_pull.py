@@ -1,0 +1,279 @@
+"""Pulling one version: which chunk comes from where, and the worker threads that fetch them.
+
+Contract of :func:`pull_version` (re-exported by :mod:`shared.weights_client`):
+- ``dest_root/<run_id>/<version>/`` ends up holding exactly the version's files, every chunk
+  verified by sha256 against the service's manifest, whoever served it; it appears by one rename
+  (see :mod:`shared.weights_partial`), so a crash leaves at most ``.partial-<version>/``, which the
+  next pull resumes. An existing final directory is returned without asking the service. One pull
+  of a given version into a given ``dest_root`` at a time.
+- Chunks come from the service's sendfile data plane (or its REST API if it advertises none) and,
+  with ``peers=True``, from peers the service lists. Peer chunks are preferred; the service gets a
+  chunk no live peer has, in an order that starts at a random chunk, so joiners that start together
+  fetch different chunks from the service and then exchange them (chunk-level availability: a peer
+  advertises the chunks it has verified so far). A peer that fails is dropped and its chunk fetched
+  elsewhere; a chunk a peer served with bad bytes is refetched from the service only.
+- With ``serve`` (a running :class:`PeerServer`), this pull's verified chunks are offered to others
+  while it runs, and the version is advertised to the service as long as it stays on disk.
+- A service outage is ridden out (retries with backoff) until ``timeout_s`` pass without a
+  verified chunk. Every failure is a :class:`WeightsError`; ``retryable`` is False where retrying
+  cannot help (a bad name, a chunk corrupt at the service, a rejected token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from shared.errors import WeightsError
+from shared.weights_fetch import BLOCK, RangeConn, SourceError, Stopped
+from shared.weights_http import Session
+from shared.weights_manifest import Chunk, check_ids, check_manifest
+from shared.weights_partial import Partial, local_manifest
+from shared.weights_peer import PEER_PREFIX, PeerServer
+from shared.weights_plan import Plan
+
+log = logging.getLogger(__name__)
+
+CHUNK_TRIES = 4  # one download and three refetches before a chunk is declared corrupt
+POLL_S = 0.2  # how often a puller asks its peers which chunks they hold
+PEERS_LIST_S = 1.0  # how often it asks the service who the peers are
+PEER_TIMEOUT_S = 10.0
+FIRST_POLL_S = 2.0  # the longest a pull waits to hear which chunks existing peers hold
+
+
+class _Service:
+    """Where the service's chunks come from: its data plane, rediscovered after a restart."""
+
+    def __init__(self, base_url: str, data_url: str | None, token: str | None, path: str) -> None:
+        self.base_url = base_url
+        self.url = data_url or base_url
+        self.token = token
+        self.manifest_path = path
+        self._lock = threading.Lock()
+
+    def rediscover(self) -> None:
+        # A restarted service may listen on another data port: ask the REST API again.
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            resp = httpx.get(self.base_url + self.manifest_path, headers=headers, timeout=2.0)
+        except httpx.HTTPError:
+            return
+        port = resp.headers.get("x-rlboost-data-port", "")
+        if resp.status_code == 200 and port.isdigit():
+            with self._lock:
+                self.url = f"http://{resp.url.host}:{port}"
+
+
+def _fetch_service(
+    plan: Plan, svc: _Service, conns: dict[str, RangeConn], buf: bytearray, chunk: Chunk,
+    path: str, timeout_s: float,
+) -> bool:
+    """True once the chunk is verified; raises WeightsError when the service cannot deliver."""
+    corrupt, attempt = 0, 0
+    while True:
+        url = svc.url
+        conn = conns.get(url) or conns.setdefault(url, RangeConn(url, svc.token, timeout_s))
+        try:
+            if conn.fetch(path, chunk, plan.fds[chunk.name], buf, plan.stop):
+                return True
+        except SourceError as exc:
+            if exc.status == 401:
+                raise WeightsError(f"{path}: unauthorized (check RLBOOST_WEIGHTS_TOKEN /"
+                                   " RLBOOST_API_TOKEN)", retryable=False) from None
+            if exc.status is not None and exc.status < 500:
+                raise WeightsError(exc.detail, retryable=exc.status == 404) from None
+            attempt += 1
+            if time.monotonic() - plan.progress_at > timeout_s:
+                raise WeightsError(f"{svc.base_url}{path}: gave up after {attempt} attempts:"
+                                   f" {exc.detail}") from None
+            log.info("chunk %d from the service failed (%s); retrying", chunk.number, exc.detail)
+            if plan.stop.wait(min(0.1 * 2 ** (attempt - 1), 2.0)):
+                raise Stopped() from None
+            svc.rediscover()
+            continue
+        corrupt += 1
+        log.warning("%s chunk at %d failed its sha256 (try %d/%d)", path, chunk.offset, corrupt,
+                    CHUNK_TRIES)
+        if corrupt >= CHUNK_TRIES:
+            raise WeightsError(f"{path} chunk at offset {chunk.offset}: sha256 mismatch on"
+                               f" {CHUNK_TRIES} downloads; the service's copy is corrupt", False)
+
+
+def _work(plan: Plan, partial: Partial, svc: _Service, run_id: str, version: int,
+          timeout_s: float) -> None:
+    buf = bytearray(BLOCK)
+    conns: dict[str, RangeConn] = {}
+    try:
+        while (job := plan.take()) is not None:
+            index, peer = job
+            chunk = plan.chunks[index]
+            if peer is None:
+                path = f"/v1/weights/{run_id}/{version}/files/{chunk.name}"
+                _fetch_service(plan, svc, conns, buf, chunk, path, timeout_s)
+            else:
+                conn = conns.get(peer) or conns.setdefault(
+                    peer, RangeConn(peer, svc.token, min(timeout_s, PEER_TIMEOUT_S)))
+                path = f"{PEER_PREFIX}/{run_id}/{version}/files/{chunk.name}"
+                try:
+                    ok = conn.fetch(path, chunk, plan.fds[chunk.name], buf, plan.stop)
+                except SourceError as exc:
+                    plan.peer_failed(peer, index, missing=exc.status == 404, why=exc.detail)
+                    continue
+                if not ok:
+                    plan.peer_failed(peer, index, corrupt=True, why="served bad bytes")
+                    continue
+            partial.record(chunk)  # before finish: a chunk is offered only once recorded
+            plan.finish(index, peer)
+    finally:
+        for conn in conns.values():
+            conn.close()
+
+
+async def _poll_peers(plan: Plan, session: Session, run_id: str, version: int,
+                      own_url: str | None, token: str | None, first: asyncio.Event) -> None:
+    """Keep the plan's view of who holds which chunk fresh; errors only make a peer look empty."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    peers: list[str] = []
+    listed_at = 0.0
+    async with httpx.AsyncClient(headers=headers, timeout=2.0) as client:
+        while True:
+            if time.monotonic() - listed_at > PEERS_LIST_S:
+                listed_at = time.monotonic()
+                try:
+                    reply = await session.json("GET", f"/v1/weights/{run_id}/{version}/peers")
+                    peers = [u for u in reply["peers"] if isinstance(u, str) and u != own_url]
+                except (WeightsError, KeyError, TypeError):
+                    pass
+
+            async def ask(url: str) -> None:
+                try:
+                    r = await client.get(f"{url}{PEER_PREFIX}/{run_id}/{version}/have")
+                    r.raise_for_status()
+                    have = r.json()
+                    plan.update_peer(url, bool(have["complete"]), {int(i) for i in have["chunks"]})
+                except httpx.HTTPStatusError:
+                    plan.update_peer(url, False, set())  # it answered: it holds nothing (now)
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    pass  # slow or busy: keep what it said last; a failed fetch drops it
+
+            await asyncio.gather(*(ask(u) for u in peers if plan.worth_asking(u)))
+            first.set()
+            await asyncio.sleep(POLL_S)
+
+
+def _join_all(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join()
+
+
+async def _download(plan: Plan, partial: Partial, svc: _Service, run_id: str, version: int,
+                    parallel: int, timeout_s: float, poller: asyncio.Task[None] | None) -> None:
+    """Run the workers; on cancellation stop them and wait until none touches the files."""
+    loop = asyncio.get_running_loop()
+    all_exited = asyncio.Event()
+    alive = [min(parallel, plan.remaining())]
+
+    def exited() -> None:
+        alive[0] -= 1
+        if alive[0] == 0:
+            all_exited.set()
+
+    def worker() -> None:
+        try:
+            _work(plan, partial, svc, run_id, version, timeout_s)
+        except Stopped:
+            pass
+        except BaseException as exc:  # handed to the caller below; the rest stop at once
+            plan.fail(exc)
+        finally:
+            loop.call_soon_threadsafe(exited)
+
+    threads = [threading.Thread(target=worker, name=f"weights-pull-{i}", daemon=True)
+               for i in range(alive[0])]
+    for t in threads:
+        t.start()
+    try:
+        if threads:
+            await all_exited.wait()
+    except BaseException:
+        plan.fail(None)
+        await asyncio.shield(asyncio.to_thread(_join_all, threads))
+        raise
+    finally:
+        if poller is not None:
+            poller.cancel()
+    if plan.error is not None:
+        raise plan.error
+    if plan.remaining():
+        raise WeightsError(f"{run_id}/{version}: pull stopped with chunks missing")
+
+
+async def pull_version(
+    base_url: str,
+    token: str | None,
+    run_id: str,
+    version: int,
+    dest_root: Path,
+    parallel: int = 4,
+    timeout_s: float = 60,
+    *,
+    peers: bool = False,
+    serve: PeerServer | None = None,
+) -> Path:
+    """Download and verify (run_id, version) into ``dest_root/<run_id>/<version>/``; returns it."""
+    check_ids(run_id, version)
+    if parallel < 1:
+        raise WeightsError(f"parallel must be >= 1, got {parallel}", retryable=False)
+    final = dest_root / run_id / str(version)
+    if await asyncio.to_thread(local_manifest, final, run_id, version) is not None:
+        if serve is not None:
+            serve.advertise(base_url, run_id, version)
+        return final
+    if final.exists():  # damaged by hand or by something outside this module: pull it afresh
+        await asyncio.to_thread(shutil.rmtree, final, True)
+    async with Session(base_url, token, timeout_s, patience_s=timeout_s) as session:
+        manifest_path = f"/v1/weights/{run_id}/{version}/manifest"
+        manifest, data_url = await session.manifest_and_data_url(run_id, version)
+        if manifest is None:
+            raise WeightsError(f"{run_id}/{version} is not published on {base_url} (yet or now)")
+        check_manifest(manifest, run_id, version)
+        partial_dir = dest_root / run_id / f".partial-{version}"
+        try:
+            partial = await asyncio.to_thread(Partial, partial_dir, manifest)
+        except OSError as exc:
+            raise WeightsError(f"cannot prepare {partial_dir}: {exc}", retryable=False) from exc
+        plan = Plan(partial.chunks, set(partial.done), partial.fds, parallel,
+                    random.randrange(max(len(partial.chunks), 1)), peers)
+        svc = _Service(base_url, data_url, token, manifest_path)
+        try:
+            if serve is not None:
+                serve.offer(run_id, version, manifest, partial_dir, partial.done)
+                serve.advertise(base_url, run_id, version)
+            poller = None
+            if peers:
+                own = serve.url if serve is not None else None
+                first = asyncio.Event()
+                poll = _poll_peers(plan, session, run_id, version, own, token, first)
+                poller = asyncio.create_task(poll)
+                # Start with what peers already hold, rather than race them to the service.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(first.wait(), FIRST_POLL_S)
+            await _download(plan, partial, svc, run_id, version, parallel, timeout_s, poller)
+            await asyncio.to_thread(partial.publish, final)
+        except OSError as exc:
+            raise WeightsError(f"writing {partial_dir}: {exc}", retryable=False) from exc
+        finally:
+            partial.close()
+            if serve is not None:
+                serve.withdraw(run_id, version)
+        log.info("pulled %s/%d: %d bytes from peers, %d from the service", run_id, version,
+                 plan.bytes_from_peers, plan.bytes_from_service)
+    return final

@@ -1,0 +1,196 @@
+"""A threaded HTTP/1.1 server of checkpoint byte ranges, sent with ``sendfile``.
+
+Contract: :class:`RangeServer` answers ``GET <prefix>/<run_id>/<version>/files/<name>`` with one
+``Range: bytes=a-b`` (206) or without one (200), and ``GET <prefix>/<run_id>/<version>/<what>``
+through an optional JSON hook; everything else is 404. Which file a request may read is decided by
+a resolver the owner supplies (the weight service's store, or a peer's verified copies); ids and
+names are validated before the resolver sees them. With a token set, every request needs
+``Authorization: Bearer <token>``. Errors are JSON ``{"detail": ...}`` with a 4xx status. Served
+file bytes are reported to ``on_served`` (the owner's egress counter).
+
+Why a separate server: the kernel moves file pages to the socket with ``sendfile`` without a copy
+through Python, so one connection runs at the link's limit on a single core, where an asyncio ASGI
+stack reading and writing blocks cost several copies and far more CPU than the network (measured:
+below a quarter of loopback TCP). Each connection gets a thread; the bytes never enter Python.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from shared.weights_manifest import valid_name, valid_run_id, valid_version
+
+log = logging.getLogger(__name__)
+
+_RANGE_RE = re.compile(r"bytes=(\d{1,19})-(\d{0,19})")
+_PATH_RE = re.compile(r"/([^/]{1,200})/(\d{1,10})/(files/)?([^/]{1,200})")
+
+
+class RangeError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+# (run_id, version, name) -> path of a complete, verified file, or RangeError
+Resolver = Callable[[str, int, str], Path]
+# (run_id, version, what) -> JSON-able reply, or RangeError
+JsonHook = Callable[[str, int, str], Any]
+# (run_id, version, name, start, end) -> None if [start, end) may be served, else RangeError
+RangeHook = Callable[[str, int, str, int, int], None]
+
+
+def parse_range(header: str, size: int) -> tuple[int, int]:
+    """One ``bytes=a-b`` or ``bytes=a-`` range -> [start, end); RangeError(416) otherwise."""
+    m = _RANGE_RE.fullmatch(header.strip())
+    if m is None:
+        raise RangeError(416, f"unsupported Range {header[:80]!r}: one bytes=a-b range only")
+    start = int(m[1])
+    end = size if not m[2] else min(int(m[2]) + 1, size)
+    if start >= end:
+        raise RangeError(416, f"Range {header[:80]!r} outside a file of {size} bytes")
+    return start, end
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: a puller reuses one connection for many chunks
+    server: RangeServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per chunk would drown the service's own log
+
+    def do_GET(self) -> None:
+        try:
+            self._get()
+        except RangeError as exc:
+            self._reply_json(exc.status, {"detail": exc.detail})
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True  # the client went away; nothing to answer
+
+    def _get(self) -> None:
+        srv = self.server
+        if srv.token is not None:
+            scheme, _, given = self.headers.get("authorization", "").partition(" ")
+            # compare_digest: the time taken must not leak how much of a guess matched
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                given.encode(), srv.token.encode()
+            )
+            if not ok:
+                raise RangeError(401, "missing or wrong bearer token")
+        path = self.path.split("?", 1)[0]
+        if not path.startswith(srv.prefix + "/"):
+            raise RangeError(404, f"no route {path[:100]!r}")
+        m = _PATH_RE.fullmatch(path[len(srv.prefix) :])
+        if m is None:
+            raise RangeError(404, f"no route {path[:100]!r}")
+        run_id, version, is_file, name = m[1], int(m[2]), m[3] is not None, m[4]
+        if not valid_run_id(run_id) or not valid_version(version):
+            raise RangeError(422, f"invalid run id or version in {path[:100]!r}")
+        if not is_file:
+            if srv.json_hook is None:
+                raise RangeError(404, f"no route {path[:100]!r}")
+            self._reply_json(200, srv.json_hook(run_id, version, name))
+            return
+        if not valid_name(name):
+            raise RangeError(422, f"invalid file name {name[:80]!r}")
+        self._send_file(srv.resolver(run_id, version, name), run_id, version, name)
+
+    def _send_file(self, file: Path, run_id: str, version: int, name: str) -> None:
+        try:
+            f = file.open("rb")  # held open: a collection cannot cut the reply short
+        except OSError:
+            raise RangeError(404, f"{file.name}: not available") from None
+        with f:
+            size = f.seek(0, 2)
+            start, end, status = 0, size, 200
+            if (header := self.headers.get("range")) is not None:
+                start, end = parse_range(header, size)
+                status = 206
+            if self.server.range_hook is not None:
+                self.server.range_hook(run_id, version, name, start, end)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(end - start))
+            self.send_header("Accept-Ranges", "bytes")
+            if status == 206:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+            self.end_headers()
+            sent = self.connection.sendfile(f, start, end - start)
+            self.server.on_served(sent)
+            if sent != end - start:  # the file shrank: the client's length check catches it
+                self.close_connection = True
+
+    def _reply_json(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class RangeServer(ThreadingHTTPServer):
+    """Serve in a background thread; :meth:`close` is idempotent."""
+
+    daemon_threads = True  # a stuck client must not keep the process alive
+    block_on_close = False
+    request_queue_size = 128  # many joiners may connect at once
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        prefix: str,
+        resolver: Resolver,
+        token: str | None,
+        on_served: Callable[[int], None] = lambda n: None,
+        json_hook: JsonHook | None = None,
+        range_hook: RangeHook | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__((host, port), _Handler)
+        self.prefix = prefix
+        self.resolver = resolver
+        self.token = token
+        self.on_served = on_served
+        self.json_hook = json_hook
+        self.range_hook = range_hook
+        self.timeout_s = timeout_s
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("request from %s failed", client_address, exc_info=True)  # client went away
+
+    def get_request(self) -> tuple[Any, Any]:
+        conn, addr = super().get_request()
+        conn.settimeout(self.timeout_s)  # an idle or stalled client frees its thread
+        return conn, addr
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self.serve_forever, args=(0.2,), name="weights-range-server", daemon=True
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join()
+            self._thread = None
+            self.server_close()

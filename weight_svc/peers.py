@@ -1,0 +1,128 @@
+"""The weight service's side of peer fan-out: who can serve which version, and the data plane.
+
+Contract:
+- :class:`PeerRegistry` remembers, per (run, version), the URLs of rollout instances that serve
+  chunks of it (``shared.weights_peer``). An entry lives ``PEER_TTL_S`` seconds unless the peer
+  registers again (peers refresh every ``shared.weights_peer.REFRESH_S``). It is soft state, held
+  only in memory on purpose: after a service restart the list is empty for at most one refresh
+  period, which costs egress, never correctness (every chunk is verified against the service's
+  manifest whoever serves it). URLs are validated (``http://host:port``, nothing else) and the
+  number of peers per version and of versions tracked is bounded.
+- :class:`DataPlane` serves file downloads with ``sendfile`` on a second port of the same host
+  (``RLBOOST_WEIGHTS_DATA_PORT``, 0 = any free port), advertised by the ``X-Rlboost-Data-Port``
+  header of manifest replies. Same paths, same token, same egress counter as the REST API, which
+  keeps serving downloads too (slowly) for clients that do not know the data plane.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+from shared.errors import ConfigError
+from shared.weights_serve import RangeError, RangeServer
+from weight_svc.store import Store, StoreError
+
+PEER_TTL_S = 60.0
+MAX_PEERS_PER_VERSION = 256
+MAX_TRACKED_VERSIONS = 1024
+DATA_PORT_HEADER = "X-Rlboost-Data-Port"
+_PEER_URL_RE = re.compile(r"http://[A-Za-z0-9.\-]{1,253}:\d{1,5}")
+
+
+def bind_host(url: str) -> str:
+    """The URL's host when it is an IP address (a loopback URL must not expose the store to the
+    network), all interfaces when it is a DNS name (which names this machine from outside)."""
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return "0.0.0.0"
+
+
+def check_peer_url(url: object) -> str:
+    if not isinstance(url, str) or _PEER_URL_RE.fullmatch(url) is None:
+        raise StoreError(422, f"peer url must be http://host:port, got {str(url)[:100]!r}")
+    if not 0 < int(url.rsplit(":", 1)[1]) < 65536:
+        raise StoreError(422, f"peer url has an invalid port: {url!r}")
+    return url
+
+
+class PeerRegistry:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._peers: dict[tuple[str, int], dict[str, float]] = {}  # -> url: expiry
+
+    def register(self, run_id: str, version: int, url: str) -> float:
+        """Add or refresh ``url``; returns the seconds it stays listed."""
+        self._expire()
+        key = (run_id, version)
+        if key not in self._peers and len(self._peers) >= MAX_TRACKED_VERSIONS:
+            raise StoreError(429, "too many versions with peers; try again later")
+        peers = self._peers.setdefault(key, {})
+        if url not in peers and len(peers) >= MAX_PEERS_PER_VERSION:
+            raise StoreError(429, f"{run_id}/{version} already has {len(peers)} peers")
+        peers[url] = self._clock() + PEER_TTL_S
+        return PEER_TTL_S
+
+    def peers(self, run_id: str, version: int) -> list[str]:
+        """Live peers, longest-registered first (they are the likeliest to hold every chunk)."""
+        self._expire()
+        return list(self._peers.get((run_id, version), {}))
+
+    def forget(self, run_id: str, versions: list[int]) -> None:
+        for v in versions:  # collected versions: nobody may fetch them any more
+            self._peers.pop((run_id, v), None)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for key in list(self._peers):
+            live = {u: t for u, t in self._peers[key].items() if t > now}
+            if live:
+                self._peers[key] = live
+            else:
+                del self._peers[key]
+
+
+def data_port(env: Mapping[str, str]) -> int:
+    raw = env.get("RLBOOST_WEIGHTS_DATA_PORT", "") or "0"
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ConfigError("RLBOOST_WEIGHTS_DATA_PORT", f"expected a port 0..65535, got {raw!r}")
+    return int(raw)
+
+
+class DataPlane:
+    """The sendfile download server over the store; start() binds, close() stops."""
+
+    def __init__(
+        self,
+        store: Store,
+        host: str,
+        port: int,
+        token: str | None,
+        on_served: Callable[[int], None],
+    ) -> None:
+        self.store = store
+        self.server = RangeServer(host, port, "/v1/weights", self._resolve, token, on_served)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def _resolve(self, run_id: str, version: int, name: str) -> Path:
+        try:
+            return self.store.file_path(run_id, version, name)
+        except StoreError as exc:
+            raise RangeError(exc.status, exc.detail) from None
+
+    def start(self) -> None:
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.close()
