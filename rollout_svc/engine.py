@@ -185,7 +185,8 @@ def create_engine(name: str, **options: Any) -> Engine:
 
         return EmuEngine(**options)
     if name == "sglang":
-        # The GPU engine drives an SGLang server over HTTP; sglang is an optional extra that
-        # the default stack and the tests never import.
-        raise EngineUnavailable("sglang", "the SGLang driver is not implemented yet")
+        # The GPU engine drives an SGLang server over HTTP; sglang itself is never imported.
+        from rollout_svc.engine_sglang import SGLangEngine
+
+        return SGLangEngine(**options)
     raise EngineError(f"unknown engine {name!r}; expected one of {', '.join(ENGINE_NAMES)}")

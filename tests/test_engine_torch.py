@@ -225,8 +225,8 @@ def test_weight_swap_in_place_and_fallback(model_dirs: tuple[Path, ...]) -> None
 
 def test_create_engine() -> None:
     assert create_engine("torch", max_batch=3).max_batch == 3  # type: ignore[attr-defined]
-    with pytest.raises(NotImplementedError):
-        create_engine("sglang")
+    sglang = create_engine("sglang", url="http://127.0.0.1:9")  # attaches lazily, at load
+    assert sglang.name == "sglang" and sglang.loaded is None
     with pytest.raises(EngineError):
         create_engine("vllm")
     with pytest.raises(EngineError):
