@@ -22,7 +22,7 @@ run: venv
 
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/mypy shared manager_svc trainer_svc rollout_svc weight_svc rlboost
+	$(BIN)/mypy shared manager_svc trainer_svc rollout_svc weight_svc rlboost benchmarks
 
 pytest: venv
 	$(BIN)/pytest -q -p no:cacheprovider
@@ -31,3 +31,20 @@ test: lint pytest
 
 clean:
 	rm -rf .rlboost .mypy_cache .ruff_cache
+
+.PHONY: bench-preempt
+bench-preempt: venv
+	$(BIN)/python -m benchmarks.preempt
+
+.PHONY: bench-weights
+bench-weights: venv
+	$(BIN)/python -m benchmarks.weights
+
+.PHONY: bench-seeding
+bench-seeding: venv
+	$(BIN)/python -m benchmarks.seeding
+
+.PHONY: gpu-check
+# End to end with the SGLang engine on a GPU and a real small HF model: make gpu-check MODEL=dir
+gpu-check: venv
+	scripts/gpu-check.sh $(MODEL)

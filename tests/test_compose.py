@@ -1,0 +1,286 @@
+"""The compose files, proven without a Docker engine: parsed, checked, and run as local processes.
+
+Each file is parsed with PyYAML and interpolated the way compose does (``${VAR:?}`` fails when
+unset, ``${VAR:-x}`` defaults, ``$$`` escapes). Then: every RLBOOST_* name is one the services
+read; every secret is required, never defaulted; only the intended ports are published; every
+service has a healthcheck and a restart policy. Finally each service's ``command`` runs with its
+``environment`` as a local process — the brokers too, from their compose command and nats.conf,
+so their credentials are the compose files' own — with compose hostnames (and RESERVED_HOST)
+mapped to loopback and container ports to free ones, and a short run goes through the REST API:
+once for the dev file, once for reserved.yml + spot.yml together. Test-only overrides, because
+here every process shares one host: data dirs, RLBOOST_METRICS_PORT=0, emu time scale 0.
+Where the docker client has compose, ``docker compose config -q`` must accept each file too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from rlboost.launcher import Child
+from shared.stack import _binary, free_port, wait_port
+from tests.conftest import wait_run
+from tests.invariants import check_run
+from trainer_svc.policy import PRESETS, EmuPolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose"
+SECRETS = ("RLBOOST_API_TOKEN", "RLBOOST_WEIGHTS_TOKEN", "NATS_PASSWORD", "REDIS_PASSWORD")
+ENV = {"RLBOOST_API_TOKEN": "api-s3cret", "RLBOOST_WEIGHTS_TOKEN": "weights-s3cret",
+       "NATS_USER": "rl", "NATS_PASSWORD": "nats-s3cret", "REDIS_PASSWORD": "redis-s3cret",
+       "RLBOOST_ENGINE": "emu", "RESERVED_HOST": "reserved.example"}
+BROKER_PORTS = {"nats": 4222, "redis": 6379, "manager": 8000, "weights": 8001}
+SPEC = {"model": "emu", "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2,
+        "max_new_tokens": 8, "seed": 5}
+REWARD = EmuPolicy(PRESETS["emu"], Path("/nonexistent"), 0.0).reward
+
+
+class Missing(KeyError):
+    """A ``${VAR:?}`` whose variable is unset: compose refuses the file."""
+
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_]\w*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_]\w*)")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(4)
+        op, arg = m.group(2), m.group(3) or ""
+        have = env.get(name)
+        empty = have is None or (have == "" and op is not None and op.startswith(":"))
+        if op and op.endswith("?") and empty:
+            raise Missing(f"{name}: {arg}")
+        if op and op.endswith("-") and empty:
+            return arg
+        return have or ""
+
+    return _VAR.sub(one, value)
+
+
+def load(name: str, env: dict[str, str]) -> dict[str, Any]:
+    doc: dict[str, Any] = interpolate(yaml.safe_load((COMPOSE / name).read_text()), env)
+    return doc
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    raw = service.get("environment") or {}
+    if isinstance(raw, list):
+        raw = dict(item.split("=", 1) for item in raw)
+    return {k: "" if v is None else str(v) for k, v in raw.items()}
+
+
+def known_names() -> set[str]:
+    names: set[str] = set()
+    for pkg in ("shared", "manager_svc", "trainer_svc", "rollout_svc", "weight_svc", "rlboost"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            names |= set(re.findall(r'"(RLBOOST_[A-Z0-9_]+)"', path.read_text()))
+    return names
+
+
+FILES = ("docker-compose.yml", "reserved.yml", "spot.yml")
+PUBLISHED = {"docker-compose.yml": {"manager": ["127.0.0.1:8000:8000"]},
+             "reserved.yml": {"nats": ["4222:4222"], "manager": ["8000:8000"],
+                              "weights": ["8001:8001"]},
+             "spot.yml": {}}
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_file_is_locked_down_and_uses_only_known_names(name: str) -> None:
+    services = load(name, ENV)["services"]
+    known = known_names()
+    assert "RLBOOST_SGLANG_URL" in known and "RLBOOST_NATS_URL" in known  # the grep works
+    for svc_name, svc in services.items():
+        unknown = {k for k in environment(svc) if k.startswith("RLBOOST_")} - known
+        assert not unknown, f"{name}:{svc_name} sets names no service reads: {unknown}"
+        assert svc.get("restart") == "unless-stopped", f"{name}:{svc_name} has no restart policy"
+        assert svc.get("healthcheck", {}).get("test"), f"{name}:{svc_name} has no healthcheck"
+        env = environment(svc)
+        for key in ("RLBOOST_NATS_URL", "RLBOOST_REDIS_URL"):
+            if key in env:  # every broker client logs in
+                assert re.match(r"\w+://[^:@/]*:[^@/]+@", env[key]), f"{svc_name}: {key} anonymous"
+        if svc_name in ("manager", "weights"):
+            assert env.get("RLBOOST_API_TOKEN") == ENV["RLBOOST_API_TOKEN"]
+    published = {n: s["ports"] for n, s in services.items() if s.get("ports")}
+    assert published == PUBLISHED[name]
+    # No secret has a default: leaving any one out makes the file fail, as compose would.
+    text = (COMPOSE / name).read_text()
+    for secret in SECRETS:
+        if secret in text:
+            with pytest.raises(Missing, match=secret):
+                load(name, {k: v for k, v in ENV.items() if k != secret})
+    assert "RLBOOST_API_TOKEN" in text or name == "spot.yml"  # spot runs no REST service
+
+
+def test_spot_dials_only_what_reserved_publishes() -> None:
+    published = {int(p.split(":")[-2]) for s in load("reserved.yml", ENV)["services"].values()
+                 for p in s.get("ports", [])}
+    env = environment(load("spot.yml", ENV)["services"]["rollout"])
+    dialled = {int(m) for v in env.values()
+               for m in re.findall(re.escape(ENV["RESERVED_HOST"]) + r":(\d+)", v)}
+    assert {4222, 8001} <= dialled <= published
+    assert "RLBOOST_REDIS_URL" not in env and "RLBOOST_API_TOKEN" not in env
+
+
+def test_docker_compose_config_accepts_each_file() -> None:
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip("the docker client here has no compose plugin")
+    for name in FILES:
+        done = subprocess.run(["docker", "compose", "-f", str(COMPOSE / name), "config", "-q"],
+                              env={**os.environ, **ENV}, capture_output=True, text=True,
+                              check=False)
+        assert done.returncode == 0, f"{name}: {done.stderr}"
+
+
+# --- running the files as local processes ----------------------------------------------------
+
+
+class Deployment:
+    """The services of some compose files as local processes, brokers included."""
+
+    def __init__(self, root: Path, services: dict[str, dict[str, Any]]) -> None:
+        self.root = root
+        self.services = services
+        self.ports = {port: free_port() for port in BROKER_PORTS.values()}
+        self.hosts = {*BROKER_PORTS, ENV["RESERVED_HOST"]}
+        self.children: list[Child] = []
+
+    def local(self, value: str) -> str:
+        """Compose hostnames and container ports -> loopback and this test's free ports."""
+        def swap(m: re.Match[str]) -> str:
+            if m.group("host") not in self.hosts:
+                return m.group(0)
+            return f"{m.group('head')}127.0.0.1:{self.ports[int(m.group('port'))]}"
+        return re.sub(r"(?P<head>\w+://(?:[^@/\s]*@)?)(?P<host>[\w.-]+):(?P<port>\d+)", swap, value)
+
+    def start(self) -> None:
+        for name, svc in self.services.items():
+            replicas = int((svc.get("deploy") or {}).get("replicas", 1))
+            for i in range(replicas):
+                self._spawn(f"{name}-{i}", svc)
+            if name in ("nats", "redis"):
+                wait_port(self.ports[BROKER_PORTS[name]])
+
+    def _spawn(self, name: str, svc: dict[str, Any]) -> None:
+        argv = list(svc["command"])
+        env = {k: self.local(v) for k, v in environment(svc).items()}
+        data = self.root / name
+        data.mkdir(parents=True)
+        if argv[0] == "nats-server":
+            # The config file and the store dir are volumes there: the repo file and a tmp dir.
+            mounts = {c: str(COMPOSE / h) for h, c, *_ in
+                      (v.split(":") for v in svc["volumes"] if v.startswith("./"))}
+            mounts["/data"] = str(data)
+            argv = [_binary("nats-server"), *[mounts.get(a, a) for a in argv[1:]],
+                    "-a", "127.0.0.1", "-p", str(self.ports[4222]), "-m", str(free_port())]
+        elif argv[0] == "redis-server":
+            argv = [_binary("redis-server"), *argv[1:], "--port", str(self.ports[6379]),
+                    "--bind", "127.0.0.1", "--dir", str(data), "--save", ""]
+        else:
+            assert argv[0] in ("python", "python3"), argv
+            argv[0] = sys.executable
+            env.update(RLBOOST_DATA_DIR=str(data), RLBOOST_METRICS_PORT="0",
+                       RLBOOST_EMU_TIME_SCALE="0", RLBOOST_TORCH_THREADS="1",
+                       RLBOOST_PARENT_PID=str(os.getpid()))
+        child = Child(name, argv, env, self.root / "logs" / f"{name}.log")
+        child.start()
+        self.children.append(child)
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.signal(15)
+        for child in reversed(self.children):
+            if child.proc is not None:
+                try:  # the run is over: nothing to hand back, so no long grace
+                    child.proc.wait(timeout=3)
+                except subprocess.TimeoutExpired:
+                    child.signal(9)
+                    child.proc.wait(timeout=5)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {c.name}\n{c.tail(15)}" for c in self.children)
+
+
+@pytest.fixture
+def deploy(tmp_path: Path) -> Iterator[Any]:
+    made: list[Deployment] = []
+
+    def make(*files: str) -> Deployment:
+        services: dict[str, dict[str, Any]] = {}
+        for name in files:
+            services.update(load(name, ENV)["services"])
+        d = Deployment(tmp_path / "_".join(f.split(".")[0] for f in files), services)
+        made.append(d)
+        d.start()
+        return d
+
+    yield make
+    for d in made:
+        d.stop()
+
+
+def run_through(d: Deployment, kinds: dict[str, int]) -> None:
+    url = f"http://127.0.0.1:{d.ports[8000]}"
+    auth = {"Authorization": f"Bearer {ENV['RLBOOST_API_TOKEN']}"}
+    with httpx.Client(base_url=url, headers=auth, timeout=10) as client:
+        for _ in range(300):
+            try:
+                if client.get("/v1/runs").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"manager did not come up:\n{d.logs()}")
+        assert httpx.get(f"{url}/v1/runs", timeout=5).status_code == 401  # the token is required
+        run = client.post("/v1/runs", json=SPEC)
+        assert run.status_code == 201, run.text
+        final = wait_run(client, run.json()["id"], timeout_s=60)
+        assert final["state"] == "succeeded", f"{final}\n{d.logs()}"
+        check_run(client, run.json()["id"], SPEC, REWARD)
+        instances = client.get("/v1/instances").json()
+        got: dict[str, int] = {}
+        for inst in instances:
+            assert inst["engine"] == "emu"
+            got[inst["kind"]] = got.get(inst["kind"], 0) + 1
+        assert got == kinds
+
+
+def test_dev_file_runs_a_run(deploy: Any) -> None:
+    run_through(deploy("docker-compose.yml"), {"spot": 2})
+
+
+def test_reserved_and_spot_files_run_a_run_together(deploy: Any) -> None:
+    run_through(deploy("reserved.yml", "spot.yml"), {"reserved": 1, "spot": 1})
+
+
+def test_skypilot_task_is_a_recovering_spot_worker_pointing_at_reserved() -> None:
+    task = yaml.safe_load((ROOT / "deploy" / "skypilot-rollout.yaml").read_text())
+    resources = task["resources"]
+    assert resources["use_spot"] is True and resources["job_recovery"]["strategy"]
+    names = {k for k in (*task["envs"], *task["secrets"]) if k.startswith("RLBOOST_")}
+    assert names <= known_names() and task["envs"]["RLBOOST_ENGINE"] == "sglang"
+    assert task["envs"]["RLBOOST_PREEMPTION_NOTICE"] in ("aws", "gcp")
+    assert all(v is None for v in task["secrets"].values())  # no credential ships in the file
+    for var in ("RLBOOST_NATS_URL", "RLBOOST_WEIGHTS_URL"):
+        assert f"export {var}=" in task["run"] and "${RESERVED_HOST}" in task["run"]
+    assert "exec python3 -m rollout_svc" in task["run"]
