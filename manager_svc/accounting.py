@@ -130,13 +130,13 @@ redis.call('HINCRBY', req, 'epoch', 1)
 redis.call('DEL', KEYS[2])
 release_owner(req, ARGV[1], ARGV[3])
 redis.call('SMOVE', KEYS[4], KEYS[3], ARGV[1])
--- Waste: what the owner was last seen to have generated beyond the commit is lost; in
+-- Waste: tokens the owner last reported generated but not yet published are lost (chunks it
+-- published but that arrive after this are counted when they are rejected as stale); in
 -- request mode the committed tokens are thrown away too.
 local n = tonumber(redis.call('HGET', req, 'n'))
-local seen = tonumber(redis.call('HGET', req, 'seen') or '0')
-local waste = math.max(0, seen - n)
+local waste = tonumber(redis.call('HGET', req, 'seen') or '0')
 if ARGV[4] == 'request' and n > 0 then
-  waste = math.max(seen, n)
+  waste = waste + n
   redis.call('HSET', req, 'tokens', '', 'n', 0, 'instances', '', 'last', '')
   redis.call('HINCRBY', KEYS[5], 'tokens', -n)
 end
@@ -145,7 +145,7 @@ redis.call('HINCRBY', KEYS[5], 'tokens_regenerated', waste)
 return 1
 """
 
-# ARGV: lease_prefix, req_prefix, instance, ttl_ms, then (rid, epoch, generated) triples.
+# ARGV: lease_prefix, req_prefix, instance, ttl_ms, then (rid, epoch, buffered) triples.
 # One round trip per heartbeat however many responses the instance holds.
 _RENEW_MANY = """
 local lost = {}
@@ -268,13 +268,13 @@ class Ledger:
         return bool(done)
 
     async def renew_many(self, instance_id: str, held: list[tuple[str, int, int]]) -> list[str]:
-        """Renew every (request id, epoch, generated) lease of one heartbeat; returns the
+        """Renew every (request id, epoch, buffered) lease of one heartbeat; returns the
         request ids whose lease is no longer the instance's."""
         if not held:
             return []
         args: list[str | int] = [Keys.lease(""), Keys.request(""), instance_id, self.lease_ttl_ms]
-        for rid, epoch, generated in held:
-            args += [rid, epoch, generated]
+        for rid, epoch, buffered in held:
+            args += [rid, epoch, buffered]
         lost = await self._renew_many(keys=[], args=args)
         return [str(r) for r in lost]
 

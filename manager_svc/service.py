@@ -56,6 +56,8 @@ log = logging.getLogger("manager")
 M = TypeVar("M", bound=msgspec.Struct)
 # An assignment the instance has not confirmed in a heartbeat after this long is taken back.
 LOST_ASSIGNMENT_S = 1.5
+# How long a release waits for the leaving instance's last chunks to be committed.
+RELEASE_COMMIT_WAIT_S = 3.0
 
 
 class ManagerService(Dispatch, TrainerProtocol):
@@ -178,7 +180,7 @@ class ManagerService(Dispatch, TrainerProtocol):
         revoke = [h.request_id for h in hb.held
                   if prefix is None or not h.request_id.startswith(prefix)]
         revoke += await self.ledger.renew_many(hb.instance_id, [
-            (h.request_id, h.epoch, h.generated) for h in hb.held
+            (h.request_id, h.epoch, h.buffered) for h in hb.held
             if prefix is not None and h.request_id.startswith(prefix)])
         now = time.time()
         for rid in server_held - reported:
@@ -193,6 +195,7 @@ class ManagerService(Dispatch, TrainerProtocol):
         )
 
     async def on_release(self, rel: Release) -> Ack:
+        await self._await_commits(rel)
         revoked = 0
         for held in rel.held:
             if await self.ledger.revoke(held.request_id, held.epoch):
@@ -204,6 +207,25 @@ class ManagerService(Dispatch, TrainerProtocol):
             await self._forget_instance(rel.instance_id)
         self._wake.set()
         return Ack()
+
+    async def _await_commits(self, rel: Release) -> None:
+        """A leaving instance flushed its tokens to the stream before releasing: let the chunk
+        consumer commit them first (bounded), or revoking now would reject them as stale."""
+        # The instance no longer heartbeats: hold its leases for the wait.
+        await self.ledger.renew_many(rel.instance_id, [(h.request_id, h.epoch, 0)
+                                                       for h in rel.held])
+        end = time.monotonic() + RELEASE_COMMIT_WAIT_S
+        while time.monotonic() < end:
+            pipe = self.redis.pipeline(transaction=False)
+            for held in rel.held:
+                pipe.hmget(Keys.request(held.request_id), ["n", "epoch", "done"])
+            rows = await pipe.execute()
+            behind = [h for h, (n, epoch, done) in zip(rel.held, rows, strict=True)
+                      if n is not None and done != "1" and epoch == str(h.epoch)
+                      and int(n) < h.published]
+            if not behind:
+                return
+            await asyncio.sleep(0.02)
 
     async def _count_preemption(self, responses: int) -> None:
         target = await self.current_target()

@@ -141,7 +141,6 @@ class RolloutService:
     async def _leave(self, tasks: list[asyncio.Task[None]]) -> None:
         for task in tasks:
             task.cancel()
-        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.engine.drain()
@@ -149,11 +148,12 @@ class RolloutService:
         for rid, item in list(self.inflight.items()):
             if (item.buffer or item.final) and not await self._publish(rid, item, item.final):
                 break
-        held = [Held(request_id=rid, epoch=i.assignment.epoch) for rid, i in self.inflight.items()]
+        held = [Held(request_id=rid, epoch=i.assignment.epoch, published=i.offset)
+                for rid, i in self.inflight.items()]
         with contextlib.suppress(RlboostError):
             await request(self.nc, names.RELEASE, Release(
                 instance_id=self.cfg.instance_id, held=held, leaving=True,
-                reason="preempt" if self._reason == "preempt" else "shutdown"), Ack, 2.0)
+                reason="preempt" if self._reason == "preempt" else "shutdown"), Ack, 5.0)
         log.info("left; handed back %d responses", len(held))
 
     # --- heartbeat and weights -------------------------------------------------------------
@@ -165,7 +165,8 @@ class RolloutService:
             state=self.state,  # type: ignore[arg-type]
             run_id=loaded[0] if loaded else None, weight_version=loaded[1] if loaded else None,
             held=[Held(request_id=r, epoch=i.assignment.epoch,
-                       generated=i.offset + len(i.buffer)) for r, i in self.inflight.items()]
+                       buffered=len(i.buffer), published=i.offset)
+                  for r, i in self.inflight.items()]
             + [Held(request_id=r, epoch=e) for r, e in self.finished.items()],
             capacity=self.cfg.max_batch, pid=os.getpid(), metrics_port=self.metrics_port,
         )

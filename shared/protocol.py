@@ -32,7 +32,8 @@ class Msg(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
 class Held(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str  # which response the instance is working on
     epoch: int  # lease epoch (fencing token) it was assigned under
-    generated: int = 0  # response positions generated so far (committed or not): waste estimate
+    buffered: int = 0  # tokens generated but not yet published: what a hard loss wastes
+    published: int = 0  # response positions published so far (committed once ingested)
 
 
 class Heartbeat(Msg):
