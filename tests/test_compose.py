@@ -99,7 +99,7 @@ def known_names() -> set[str]:
 FILES = ("docker-compose.yml", "reserved.yml", "spot.yml")
 PUBLISHED = {"docker-compose.yml": {"manager": ["127.0.0.1:8000:8000"]},
              "reserved.yml": {"nats": ["4222:4222"], "manager": ["8000:8000"],
-                              "weights": ["8001:8001"]},
+                              "weights": ["8001:8001", "8002:8002"]},
              "spot.yml": {}}
 
 
@@ -204,6 +204,7 @@ class Deployment:
             assert argv[0] in ("python", "python3"), argv
             argv[0] = sys.executable
             env.update(RLBOOST_DATA_DIR=str(data), RLBOOST_METRICS_PORT="0",
+                       RLBOOST_WEIGHTS_DATA_PORT="0",
                        RLBOOST_EMU_TIME_SCALE="0", RLBOOST_TORCH_THREADS="1",
                        RLBOOST_PARENT_PID=str(os.getpid()))
         child = Child(name, argv, env, self.root / "logs" / f"{name}.log")
