@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Cluster
+from shared.process import exit_on_sigterm
 from shared.stack import Stack
 
 SPEC = {"model": "emu", "steps": 6, "prompts_per_step": 16, "samples_per_prompt": 4,
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, default=3.0, help="seconds between preemptions")
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlboost-bench-") as tmp:
         for mode in ("token", "request"):

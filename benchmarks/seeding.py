@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Child, Cluster
+from shared.process import exit_on_sigterm
 from shared.stack import Stack
 
 STEPS = 12
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixed", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0])
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     settings: list[tuple[str, dict[str, Any]]] = [("adaptive", {"mode": "adaptive"})]
     settings += [(f"fixed {w:.1f}s", {"mode": "fixed", "window_s": w}) for w in args.fixed]
     results: dict[str, list[dict[str, Any]]] = {}

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Cluster
+from shared.process import exit_on_sigterm
 
 
 def _headers() -> dict[str, str]:
@@ -88,6 +89,7 @@ class Progress:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    exit_on_sigterm()
     root = Path(args.root).resolve()
     cluster = Cluster(root, spot=args.spot, reserved=args.reserved, engine=args.engine)
     print(f"rlboost: starting the embedded stack under {root} (logs in {root / 'logs'})",

@@ -17,6 +17,16 @@ import time
 CHECK_S = 1.0
 
 
+def exit_on_sigterm() -> None:
+    """For launchers: SIGTERM raises SystemExit, so ``finally`` blocks stop the children (and
+    the brokers, which are not Python and cannot watch their parent) instead of orphaning them."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def die_with_parent() -> None:
     parent = os.environ.get("RLBOOST_PARENT_PID")
     if not parent or not parent.isdigit():
