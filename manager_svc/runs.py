@@ -48,9 +48,29 @@ class RunSpec(BaseModel):
     seeding: SeedingSpec = Field(default_factory=SeedingSpec)
 
 
+# KEYS: active, queue | ARGV: run key prefix, now
+_ACTIVATE = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  if redis.call('HGET', ARGV[1] .. cur, 'state') == 'running' then return cur end
+  redis.call('DEL', KEYS[1])
+end
+while true do
+  local nxt = redis.call('LPOP', KEYS[2])
+  if not nxt then return false end
+  if redis.call('HGET', ARGV[1] .. nxt, 'state') == 'queued' then
+    redis.call('SET', KEYS[1], nxt)
+    redis.call('HSET', ARGV[1] .. nxt, 'state', 'running', 'updated_at', ARGV[2])
+    return nxt
+  end
+end
+"""
+
+
 class RunStore:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.r = redis
+        self._activate = redis.register_script(_ACTIVATE)
 
     async def create(self, spec: RunSpec) -> dict[str, Any]:
         run_id = "run-" + uuid.uuid4().hex[:12]
@@ -86,25 +106,14 @@ class RunStore:
                                                      "error": error})
 
     async def active(self) -> str | None:
-        """The running run, activating the next queued one if none is running."""
-        current = await self.r.get(Keys.active)
-        if current:
-            state = await self.r.hget(Keys.run(current), "state")
-            if state == "running":
-                return str(current)
-            await self.r.delete(Keys.active)
-        while True:
-            nxt = await self.r.lpop(Keys.queue)
-            if not nxt:
-                return None
-            if await self.r.hget(Keys.run(nxt), "state") != "queued":
-                continue  # cancelled while queued
-            # SET NX: two managers (or a restart race) cannot both activate a run.
-            if not await self.r.set(Keys.active, nxt, nx=True):
-                await self.r.lpush(Keys.queue, nxt)
-                return await self.active()
-            await self.set_state(nxt, "running")
-            return str(nxt)
+        """The running run, activating the next queued one if none is running.
+
+        One atomic script: the manager's handlers call this concurrently, and a check-then-act
+        in Python let one caller see a half-activated run and deactivate it for good.
+        """
+        got = await self._activate(keys=[Keys.active, Keys.queue],
+                                   args=[Keys.run(""), time.time()])
+        return str(got) if got else None
 
     async def finish_step(
         self, run_id: str, step: int, record: dict[str, Any], samples_json: str, steps: int

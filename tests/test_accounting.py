@@ -132,3 +132,20 @@ async def test_heartbeat_renews_only_leases_it_owns(ledger: Ledger) -> None:
     assert await ledger.r.exists(Keys.lease(mine))
     assert not await ledger.r.exists(Keys.lease(theirs))
     assert await ledger.r.hget(Keys.request(mine), "seen") == "3"
+
+
+async def test_concurrent_activation_never_loses_the_run(brokers: Stack) -> None:
+    """Handlers ask for the active run concurrently; exactly one run becomes active and stays."""
+    from manager_svc.runs import RunSpec, RunStore
+
+    redis = await connect_redis(brokers.redis.url)
+    await redis.flushdb()
+    store = RunStore(redis)
+    first = await store.create(RunSpec(steps=1))
+    second = await store.create(RunSpec(steps=1))
+    for _ in range(20):
+        results = await asyncio.gather(*(store.active() for _ in range(16)))
+        assert set(results) == {first["id"]}
+    assert (await store.get(first["id"]) or {})["state"] == "running"
+    assert (await store.get(second["id"]) or {})["state"] == "queued"
+    await redis.aclose()
