@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -58,6 +59,20 @@ M = TypeVar("M", bound=msgspec.Struct)
 LOST_ASSIGNMENT_S = 1.5
 # How long a release waits for the leaving instance's last chunks to be committed.
 RELEASE_COMMIT_WAIT_S = 3.0
+# How long a released session stays barred: far longer than any beat can sit in flight.
+DEPARTED_TTL_MS = 60_000
+
+# Registration and departure are ordered by Redis: a beat that a process sent just before it
+# released its work either lands first (and is then forgotten by the release) or finds the
+# departure mark and is refused, so a leaver never reappears as alive.
+_REGISTER = """
+local departed = redis.call('GET', KEYS[4])
+if ARGV[3] ~= '' and departed == ARGV[3] then return false end
+redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[1])))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[4])
+return redis.call('SMEMBERS', KEYS[3])
+"""
 
 
 class ManagerService(Dispatch, TrainerProtocol):
@@ -81,6 +96,7 @@ class ManagerService(Dispatch, TrainerProtocol):
         self.nc = await connect_nats(self.cfg.common.nats_url, "manager")
         self.ledger = Ledger(self.redis, self.cfg.lease_ttl_s, self.cfg.migration)
         self.runs = RunStore(self.redis)
+        self._register = self.redis.register_script(_REGISTER)
         js = self.nc.jetstream()
         await ensure_chunk_stream(js)
         await self._serve(names.HEARTBEAT, Heartbeat, self.on_heartbeat)
@@ -161,19 +177,20 @@ class ManagerService(Dispatch, TrainerProtocol):
         return (run_id, int(step or 0))
 
     async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
-        key = Keys.instance(hb.instance_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping={
+        fields = {
             "id": hb.instance_id, "kind": hb.kind, "engine": hb.engine, "state": hb.state,
             "run_id": hb.run_id or "", "weight_version": -1 if hb.weight_version is None
             else hb.weight_version, "capacity": hb.capacity, "pid": hb.pid,
-            "metrics_port": hb.metrics_port,
-            "last_seen": time.time(),
-        })
-        pipe.pexpire(key, int(self.cfg.instance_ttl_s * 1000))
-        pipe.sadd(Keys.instances, hb.instance_id)
-        pipe.smembers(Keys.instance_held(hb.instance_id))
-        server_held: set[str] = (await pipe.execute())[-1]
+            "metrics_port": hb.metrics_port, "last_seen": time.time(),
+        }
+        held_rows = await self._register(
+            keys=[Keys.instance(hb.instance_id), Keys.instances,
+                  Keys.instance_held(hb.instance_id), Keys.departed(hb.instance_id)],
+            args=[json.dumps([str(x) for kv in fields.items() for x in kv]),
+                  int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id])
+        if held_rows is None:  # this process already released and left
+            return HeartbeatReply(target=None, revoke=[h.request_id for h in hb.held])
+        server_held = set(held_rows)
         target = await self.current_target()
         reported = {held.request_id for held in hb.held}
         prefix = f"{target[0]}:" if target else None
@@ -204,6 +221,9 @@ class ManagerService(Dispatch, TrainerProtocol):
         if rel.held and rel.reason == "preempt":
             await self._count_preemption(revoked)
         if rel.leaving:
+            if rel.session:
+                await self.redis.set(Keys.departed(rel.instance_id), rel.session,
+                                     px=DEPARTED_TTL_MS)
             await self._forget_instance(rel.instance_id)
         self._wake.set()
         return Ack()

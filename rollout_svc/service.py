@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 from dataclasses import dataclass, field
 
@@ -95,6 +96,7 @@ class RolloutService:
         self.weights_dir = cfg.common.data_dir / "rollout" / cfg.instance_id
         self.metrics = RolloutMetrics()
         self.metrics_port = 0
+        self.session = secrets.token_hex(8)
         self.nc: Nats
         self.js: JetStreamContext
 
@@ -153,7 +155,8 @@ class RolloutService:
         with contextlib.suppress(RlboostError):
             await request(self.nc, names.RELEASE, Release(
                 instance_id=self.cfg.instance_id, held=held, leaving=True,
-                reason="preempt" if self._reason == "preempt" else "shutdown"), Ack, 5.0)
+                reason="preempt" if self._reason == "preempt" else "shutdown",
+                session=self.session), Ack, 5.0)
         log.info("left; handed back %d responses", len(held))
 
     # --- heartbeat and weights -------------------------------------------------------------
@@ -169,6 +172,7 @@ class RolloutService:
                   for r, i in self.inflight.items()]
             + [Held(request_id=r, epoch=e) for r, e in self.finished.items()],
             capacity=self.cfg.max_batch, pid=os.getpid(), metrics_port=self.metrics_port,
+            session=self.session,
         )
 
     async def _heartbeat_loop(self) -> None:

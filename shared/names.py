@@ -119,6 +119,11 @@ class Keys:
         return f"{PREFIX}:inst:{instance_id}"
 
     @staticmethod
+    def departed(instance_id: str) -> str:
+        """Session of the process under this id that released and left (short TTL)."""
+        return f"{PREFIX}:departed:{instance_id}"
+
+    @staticmethod
     def instance_held(instance_id: str) -> str:
         """Set of request ids leased to the instance."""
         return f"{PREFIX}:inst:{instance_id}:held"

@@ -47,6 +47,9 @@ class Heartbeat(Msg):
     capacity: int = 1  # responses it can generate concurrently
     pid: int = 0  # for operators and fault tests
     metrics_port: int = 0  # where the instance serves /metrics (0 = not served)
+    # Random per process start: a beat that was in flight when this process released its
+    # work must not re-register it, while a restart under the same id must be let in.
+    session: str = ""
 
 
 class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -92,6 +95,7 @@ class Release(Msg):
     held: list[Held]  # responses handed back (preemption notice or clean exit)
     leaving: bool = True  # the instance deregisters after this
     reason: Literal["preempt", "shutdown", "abort"] = "shutdown"
+    session: str = ""  # the leaving process's Heartbeat.session
 
 
 class TokenChunk(Msg):

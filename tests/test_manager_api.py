@@ -14,6 +14,8 @@ import pytest
 
 from rlboost.launcher import Child
 from shared import names
+from shared.bus import request
+from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release
 from shared.stack import Stack, free_port
 
 TOKEN = "s3cret-token"
@@ -138,3 +140,30 @@ def test_malformed_bus_messages_are_counted_and_dropped(
     # Still serving, and a well-formed run still goes in.
     assert manager.get("/healthz").status_code == 200
     assert manager.post("/v1/runs", json={"steps": 1}).status_code == 201
+
+
+def test_a_released_session_cannot_come_back_but_a_restart_can(
+    manager: httpx.Client, brokers: Stack
+) -> None:
+    """A beat sent just before a release can be handled after it; it must not re-register the
+    leaver. A fresh process under the same id (a restarted spot VM) must be let in."""
+    def beat(session: str) -> Heartbeat:
+        return Heartbeat(instance_id="spot-7", kind="spot", engine="emu", state="ready",
+                         held=[Held(request_id="run-x:0:0:0", epoch=1)], session=session)
+
+    async def exchange() -> tuple[HeartbeatReply, HeartbeatReply]:
+        nc = await nats.connect(brokers.nats.url)
+        await request(nc, names.HEARTBEAT, beat("old"), HeartbeatReply)
+        await request(nc, names.RELEASE, Release(instance_id="spot-7", held=[], session="old"),
+                      Ack)
+        late = await request(nc, names.HEARTBEAT, beat("old"), HeartbeatReply)
+        ids_after_late = {i["id"] for i in manager.get("/v1/instances").json()}
+        assert "spot-7" not in ids_after_late
+        fresh = await request(nc, names.HEARTBEAT, beat("new"), HeartbeatReply)
+        await nc.close()
+        return late, fresh
+
+    late, fresh = asyncio.run(exchange())
+    assert late.revoke == ["run-x:0:0:0"]  # whatever the leaver still thinks it holds
+    assert "spot-7" in {i["id"] for i in manager.get("/v1/instances").json()}
+    assert fresh.revoke == ["run-x:0:0:0"]  # no active run: nothing of run-x is renewed
