@@ -151,6 +151,12 @@ class Dispatch:
         after it, or with seeding off, only spot instances, unless no spot instance is alive
         at all, in which case the reserved side generates everything (co-located)."""
         mode = info.get("mode", "off")
+        if not self.cfg.midstep_join:
+            # Ablation: who joined after the step began sits it out, as if it could only get
+            # weights at the next step boundary; it also does not count as spot capacity.
+            started = float(info.get("started_at", 0.0))
+            everyone = [i for i in everyone if i["kind"] == "reserved" or i["joined_at"] <= started]
+            ready = [i for i in ready if i["kind"] == "reserved" or i["joined_at"] <= started]
         if mode != "off" and time.time() < float(info.get("window_end", 0.0)):
             return ready
         spot_alive = any(i["kind"] == "spot" and i["state"] != "draining" for i in everyone)

@@ -68,6 +68,9 @@ DEPARTED_TTL_MS = 60_000
 _REGISTER = """
 local departed = redis.call('GET', KEYS[4])
 if ARGV[3] ~= '' and departed == ARGV[3] then return false end
+if redis.call('HGET', KEYS[1], 'session') ~= ARGV[3] then
+  redis.call('HSET', KEYS[1], 'joined_at', ARGV[5])  -- a new process under this id
+end
 redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[1])))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[4])
@@ -181,13 +184,14 @@ class ManagerService(Dispatch, TrainerProtocol):
             "id": hb.instance_id, "kind": hb.kind, "engine": hb.engine, "state": hb.state,
             "run_id": hb.run_id or "", "weight_version": -1 if hb.weight_version is None
             else hb.weight_version, "capacity": hb.capacity, "pid": hb.pid,
-            "metrics_port": hb.metrics_port, "last_seen": time.time(),
+            "metrics_port": hb.metrics_port, "last_seen": time.time(), "session": hb.session,
         }
         held_rows = await self._register(
             keys=[Keys.instance(hb.instance_id), Keys.instances,
                   Keys.instance_held(hb.instance_id), Keys.departed(hb.instance_id)],
             args=[json.dumps([str(x) for kv in fields.items() for x in kv]),
-                  int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id])
+                  int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
+                  fields["last_seen"]])
         if held_rows is None:  # this process already released and left
             return HeartbeatReply(target=None, revoke=[h.request_id for h in hb.held])
         server_held = set(held_rows)
@@ -286,6 +290,7 @@ class ManagerService(Dispatch, TrainerProtocol):
                 "capacity": int(info.get("capacity", 1)), "held": int(held),
                 "pid": int(info.get("pid", 0)), "metrics_port": int(info.get("metrics_port", 0)),
                 "last_seen": float(info.get("last_seen", 0)),
+                "joined_at": float(info.get("joined_at", 0)),
             })
         return out
 

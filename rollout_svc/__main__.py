@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import signal
 
+from rollout_svc.emu_models import serving_model
 from rollout_svc.engine import create_engine
 from rollout_svc.service import RolloutService
 from shared.config import RolloutConfig
@@ -25,6 +26,10 @@ def build(cfg: RolloutConfig) -> list[RolloutService]:
     configs = [cfg] if cfg.instances == 1 else [
         dataclasses.replace(cfg, instance_id=f"{cfg.instance_id}-{k}")
         for k in range(cfg.instances)]
+    try:
+        model = serving_model(cfg.emu_model)
+    except ValueError as exc:
+        raise ConfigError("RLBOOST_EMU_MODEL", str(exc)) from None
     services = []
     for c in configs:
         options: dict[str, object] = {"max_batch": c.max_batch}
@@ -32,11 +37,12 @@ def build(cfg: RolloutConfig) -> list[RolloutService]:
             options["threads"] = c.common.torch_threads
         if c.engine == "emu":
             options["time_scale"] = c.common.emu_time_scale
+            options.update(model.engine_options())
             if c.kind == "reserved":
                 # A reserved instance shares GPUs with the trainer that just produced the
                 # version: it swaps weights in device memory (~0.5 s for 16 GB at NVLink/HBM
                 # speeds) instead of pulling and loading a checkpoint like a spot instance.
-                options["load_s"] = 0.5
+                options["load_s"] = 0.5 * model.params / 8e9 / model.gpus
         if c.engine == "sglang":
             options["url"], options["launch_args"] = c.sglang_url, c.sglang_args
         services.append(RolloutService(c, create_engine(c.engine, **options)))

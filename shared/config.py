@@ -120,6 +120,9 @@ class ManagerConfig:
     dispatch_interval_s: float  # dispatch loop period (it also wakes on events)
     migration: Literal["token", "request"]  # resume from committed tokens, or restart (ablation)
     rebalance_skew: int  # move work when busiest - idlest instance exceeds this (0 = never)
+    # Off (ablation): an instance that joins mid-step waits for the next step, as if weights
+    # were pushed only at step boundaries instead of pulled on arrival.
+    midstep_join: bool
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ManagerConfig:
@@ -131,6 +134,7 @@ class ManagerConfig:
             dispatch_interval_s=_float(env, "RLBOOST_DISPATCH_INTERVAL_S", 0.05, 0.001),
             migration=_choice(env, "RLBOOST_MIGRATION", "token", ("token", "request")),
             rebalance_skew=_int(env, "RLBOOST_REBALANCE_SKEW", 2, 0),
+            midstep_join=_choice(env, "RLBOOST_MIDSTEP_JOIN", "on", ("on", "off")) == "on",
         )
 
 
@@ -150,6 +154,7 @@ class RolloutConfig:
     sglang_url: str | None  # RLBOOST_SGLANG_URL: attach to this SGLang server; unset = start one
     sglang_args: tuple[str, ...]  # RLBOOST_SGLANG_ARGS: extra launch_server flags (shell words)
     instances: int  # emu only: instances served by this one process (ids get -0, -1, ...)
+    emu_model: str  # emu only: serving-cost preset (rollout_svc.emu_models), e.g. emu-32b
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RolloutConfig:
@@ -177,6 +182,7 @@ class RolloutConfig:
             metadata_url=env.get("RLBOOST_METADATA_URL") or None,
             notice_poll_s=_float(env, "RLBOOST_NOTICE_POLL_S", 5.0, 0.05),
             instances=_int(env, "RLBOOST_EMU_INSTANCES", 1, 1),
+            emu_model=env.get("RLBOOST_EMU_MODEL") or "emu-8b",
             sglang_url=_url(env, "RLBOOST_SGLANG_URL", "", _HTTP)
             if env.get("RLBOOST_SGLANG_URL") else None,
             sglang_args=tuple(shlex.split(env.get("RLBOOST_SGLANG_ARGS") or "")),

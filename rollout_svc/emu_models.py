@@ -1,0 +1,84 @@
+"""Serving-cost presets for the emulated engine: what one rollout instance of a model class
+costs per decode step on H100s. EMULATION: these are derived figures, not measurements.
+
+Every constant below follows from three published numbers and one stated assumption:
+
+* H100 SXM: 3.35 TB/s HBM bandwidth and 989 TFLOP/s dense bf16 (NVIDIA datasheet).
+* Decode is memory-bound: a step reads all weights once (bf16: 2 bytes/param) plus each running
+  sequence's KV cache; the attention kernels reach ~50 % of peak bandwidth on the KV part.
+* Reasoning RL contexts: ~4k tokens of prompt + response per sequence on average.
+* SGLang's per-step scheduler and kernel-launch overhead: ~5 ms at batch 1 (the gap between
+  an 8B model's ~5 ms weight read and the ~10 ms per step SGLang reports at batch 1).
+
+Model shapes are the public configs of Llama-3.1-8B (32 layers, 8 KV heads of 128), Qwen2.5-14B
+(48 layers, 8 KV heads of 128) and Qwen2.5-32B (64 layers, 8 KV heads of 128).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HBM_BYTES_S = 3.35e12  # per H100
+BF16_FLOPS = 989e12  # per H100, dense
+STEP_OVERHEAD_S = 0.005  # scheduler + kernel launches per decode step
+CONTEXT_TOKENS = 4096  # mean sequence context in reasoning RL
+KV_EFFICIENCY = 0.5  # share of HBM bandwidth the attention kernels reach on KV reads
+PREFILL_MFU = 0.5  # prefill is compute-bound and runs near half of peak
+LOAD_BYTES_S = 4e9  # checkpoint already on local disk/page cache -> HBM, per instance
+
+
+@dataclass(frozen=True, slots=True)
+class ServingModel:
+    """One rollout instance of a model class: ``gpus`` H100s in tensor parallel."""
+
+    name: str
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+    gpus: int  # tensor-parallel degree: 32B in bf16 (64 GB) leaves no KV room on one 80 GB GPU
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+    @property
+    def decode_s_base(self) -> float:
+        # Weights read once per step, split over the tensor-parallel GPUs.
+        return 2 * self.params / (self.gpus * HBM_BYTES_S) + STEP_OVERHEAD_S
+
+    @property
+    def decode_s_per_seq(self) -> float:
+        # Each running sequence adds its KV cache read, split over the GPUs.
+        kv = self.kv_bytes_per_token * CONTEXT_TOKENS
+        return kv / (self.gpus * HBM_BYTES_S * KV_EFFICIENCY)
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return 2 * self.params / (self.gpus * BF16_FLOPS * PREFILL_MFU)
+
+    @property
+    def load_s(self) -> float:
+        # In-place weight update of a checkpoint already local (SGLang update_weights_from_disk).
+        return 2 * self.params / (self.gpus * LOAD_BYTES_S)
+
+    def engine_options(self) -> dict[str, float]:
+        return {"decode_s_base": self.decode_s_base, "decode_s_per_seq": self.decode_s_per_seq,
+                "prefill_s_per_token": self.prefill_s_per_token, "load_s": self.load_s}
+
+
+# 8B: 16 GB / 3.35 TB/s = 4.8 ms + 5 ms = ~9.8 ms/step; 128 KiB/token KV x 4k = 0.5 GB, 0.31 ms
+# per sequence; the same figures the engine's module defaults state.
+SERVING: dict[str, ServingModel] = {
+    "emu-8b": ServingModel("emu-8b", 8.0e9, layers=32, kv_heads=8, head_dim=128, gpus=1),
+    "emu-14b": ServingModel("emu-14b", 14.8e9, layers=48, kv_heads=8, head_dim=128, gpus=1),
+    "emu-32b": ServingModel("emu-32b", 32.8e9, layers=64, kv_heads=8, head_dim=128, gpus=2),
+}
+SERVING["emu"] = SERVING["emu-8b"]
+
+
+def serving_model(name: str) -> ServingModel:
+    try:
+        return SERVING[name]
+    except KeyError:
+        raise ValueError(f"unknown emu model {name!r}; one of {', '.join(SERVING)}") from None
