@@ -44,6 +44,11 @@ bench-weights: venv
 bench-seeding: venv
 	$(BIN)/python -m benchmarks.seeding
 
+.PHONY: bench-paper
+# The paper's comparison, emulated GPU time on the real services; writes docs/results/
+bench-paper: venv
+	$(BIN)/python -m benchmarks.paper
+
 .PHONY: gpu-check
 # End to end with the SGLang engine on a GPU and a real small HF model: make gpu-check MODEL=dir
 gpu-check: venv

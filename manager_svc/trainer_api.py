@@ -140,7 +140,7 @@ class TrainerProtocol:
             "new_weight_version": fin.new_version, "responses": digest.responses,
             "tokens": digest.tokens,
             "reward_mean": sum(values) / len(values) if values else 0.0,
-            "step_s": now - started,
+            "step_s": now - started, "started_at": started, "finished_at": now,
             "rollout_s": float(info.get("rollout_done_at", now)) - started,
             "train_s": fin.train_s, "trainer_idle_s": fin.trainer_idle_s,
             # After the barrier the rollout side waits for the optimizer step and new weights.

@@ -106,10 +106,11 @@ class Cluster:
             for i in range(count):
                 self.add_instance(kind, f"{kind}-{i}")
 
-    def add_instance(self, kind: str, instance_id: str) -> Child:
+    def add_instance(self, kind: str, instance_id: str,
+                     extra: dict[str, str] | None = None) -> Child:
         return self._spawn(instance_id, [sys.executable, "-m", "rollout_svc"], {
             "RLBOOST_INSTANCE_KIND": kind, "RLBOOST_INSTANCE_ID": instance_id,
-            "RLBOOST_ENGINE": self.env.get("RLBOOST_ENGINE", self.engine),
+            "RLBOOST_ENGINE": self.env.get("RLBOOST_ENGINE", self.engine), **(extra or {}),
         }, self.root / "logs")
 
     def _spawn(self, name: str, argv: list[str], extra: dict[str, str], logs: Path) -> Child:

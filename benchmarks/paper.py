@@ -1,0 +1,213 @@
+"""``make bench-paper``: the paper's headline on one machine, policy by policy.
+
+EMULATION of GPU time on the real control plane. Rollout instances run the ``emu`` engine
+(decode/prefill/load times of the chosen model class on H100s, ``rollout_svc.emu_models``);
+the trainer waits the modelled training time (``trainer_svc.policy.PRESETS``). The manager,
+weight service, NATS JetStream, Redis, leases, migration and weight pulls are the real system,
+and spot instances are real processes started and preempted by a real availability trace.
+
+Every policy runs the same workload on a fresh cluster. Spot policies replay the same trace
+segment from the start of step 1 (step 0, which includes start-up, is not measured); a policy
+is measured over a fixed span of emulated time, on the steps that finished inside it.
+
+* (a) reserved-only, co-located: the reserved GPUs generate the whole step, then train on it
+  (veRL's default placement).
+* (b) rlboost: reserved + trace-driven spot, adaptive seeding, token-level migration,
+  pull-based weights (instances join mid-step).
+* (c) ablations of (b): seeding off; request-level restart instead of token-level migration;
+  weights only at step boundaries (a joiner waits for the next step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import paper_report
+from benchmarks.trace import Trace, TracePlayer, load
+from rlboost.launcher import Cluster
+from rollout_svc.emu_models import serving_model
+from shared.process import exit_on_sigterm
+from shared.stack import Stack
+from trainer_svc.policy import PRESETS
+
+# Engine/manager settings shared by every policy. Chunks of 32 tokens keep the control plane's
+# message rate within what two shared cores ingest; a notice flushes them, so nothing is lost.
+ENV = {"RLBOOST_CHUNK_TOKENS": "32", "RLBOOST_MAX_BATCH": "64", "RLBOOST_GRACE_S": "10",
+       "RLBOOST_HEARTBEAT_S": "0.5", "RLBOOST_REBALANCE_SKEW": "8"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    spot: bool
+    seeding: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+ADAPTIVE = {"mode": "adaptive"}
+POLICIES = [
+    Policy("(a) reserved-only", spot=False, seeding={"mode": "off"}),
+    Policy("(b) rlboost", spot=True, seeding=ADAPTIVE),
+    Policy("(c1) seeding off", spot=True, seeding={"mode": "off"}),
+    Policy("(c2) request-level restart", spot=True, seeding=ADAPTIVE,
+           env={"RLBOOST_MIGRATION": "request"}),
+    Policy("(c3) no mid-step join", spot=True, seeding=ADAPTIVE,
+           env={"RLBOOST_MIDSTEP_JOIN": "off"}),
+]
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str
+    trace: Trace  # compressed: emulated seconds, instance counts
+    reserved_gpus: int
+    time_scale: float  # wall seconds per emulated second
+    window_s: float  # emulated seconds measured per policy
+    spec: dict[str, Any]
+    removal: str
+    seed: int
+
+
+def run_policy(policy: Policy, setup: Setup, root: Path) -> paper_report.Outcome:
+    serving = serving_model(setup.model)
+    stack = Stack.create(root / "brokers")
+    stack.start()
+    env = {**stack.env(), **ENV, **policy.env, "RLBOOST_DATA_DIR": str(root / "data"),
+           "RLBOOST_EMU_MODEL": setup.model, "RLBOOST_EMU_TIME_SCALE": str(setup.time_scale)}
+    cluster = Cluster(root, spot=0, reserved=0, engine="emu", base_env=env)
+    player = TracePlayer(setup.trace, lambda name: cluster.add_instance("spot", name),
+                         wall_per_s=setup.time_scale, removal=setup.removal,  # type: ignore[arg-type]
+                         seed=setup.seed)
+    try:
+        cluster.start()
+        # The reserved GPUs, packed in one process: they are never preempted.
+        cluster.add_instance("reserved", "reserved", {
+            "RLBOOST_EMU_INSTANCES": str(setup.reserved_gpus // serving.gpus)})
+        with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=30) as client:
+            if policy.spot:
+                player.set_count(setup.trace.counts[0])  # warm-up for step 0
+            run_id = client.post("/v1/runs", json={**setup.spec,
+                                                   "seeding": policy.seeding}).json()["id"]
+            wait_step(client, run_id, 1, cluster)
+            if policy.spot:
+                player.start()
+            begin = time.time()
+            deadline = begin + setup.window_s * setup.time_scale
+            while time.time() < deadline:
+                time.sleep(0.5)
+                if client.get(f"/v1/runs/{run_id}").json()["state"] != "running":
+                    raise RuntimeError(f"{policy.name}: run stopped early\n{cluster_tail(cluster)}")
+            player.stop()
+            client.post(f"/v1/runs/{run_id}/cancel")
+            records = client.get(f"/v1/runs/{run_id}/steps").json()
+    finally:
+        player.stop()
+        cluster.stop()
+        stack.stop()
+    return outcome(policy, setup, records, player, serving.gpus, begin, deadline)
+
+
+def outcome(policy: Policy, setup: Setup, records: list[dict[str, Any]], player: TracePlayer,
+            gpus: int, begin: float, deadline: float) -> paper_report.Outcome:
+    scale = setup.time_scale
+    steps = [dict(r) for r in records if r["step"] >= 1 and r["finished_at"] <= deadline]
+    if not steps:
+        raise RuntimeError(f"{policy.name}: no step finished inside the measured window")
+    start, end = steps[0]["started_at"], steps[-1]["finished_at"]
+    for s in steps:  # emulated clock, for the plot
+        s["started_at_emu"] = (s["started_at"] - start) / scale
+        s["finished_at_emu"] = (s["finished_at"] - start) / scale
+        s["step_s_emu"] = s["step_s"] / scale
+        for key in ("step_s", "trainer_idle_s"):
+            s[key] = s[key] / scale
+    window = (end - start) / scale
+    spot_gpu_s = player.gpu_seconds(start, end, gpus) / scale if policy.spot else 0.0
+    history = [((t - start) / scale, c) for t, c in player.history if t >= begin]
+    return paper_report.Outcome(policy.name, steps, window, setup.reserved_gpus * window,
+                                spot_gpu_s, history)
+
+
+def wait_step(client: httpx.Client, run_id: str, step: int, cluster: Cluster) -> None:
+    end = time.monotonic() + 600
+    while time.monotonic() < end:
+        run = client.get(f"/v1/runs/{run_id}").json()
+        if run["state"] != "running" and run["step"] < step:
+            raise RuntimeError(f"run {run_id} {run['state']}: {run.get('error')}")
+        if run["step"] >= step:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"run {run_id} did not reach step {step}\n{cluster_tail(cluster)}")
+
+
+def cluster_tail(cluster: Cluster) -> str:
+    return "\n".join(f"--- {c.name}\n{c.tail(8)}" for c in cluster.children[:3])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="emu-8b", choices=["emu-8b", "emu-14b", "emu-32b"])
+    parser.add_argument("--trace", default="p3", choices=["p3", "g4dn", "gcp"])
+    parser.add_argument("--segment-start", type=float, default=2700.0, help="trace seconds")
+    parser.add_argument("--segment", type=float, default=1800.0, help="trace seconds")
+    parser.add_argument("--compress", type=float, default=30.0,
+                        help="trace seconds per emulated second")
+    parser.add_argument("--count-scale", type=float, default=0.5,
+                        help="spot instances per trace node")
+    parser.add_argument("--reserved-gpus", type=int, default=8)
+    parser.add_argument("--time-scale", type=float, default=2.0,
+                        help="wall seconds per emulated second")
+    parser.add_argument("--window", type=float, default=60.0, help="emulated seconds measured")
+    parser.add_argument("--removal", default="notice", choices=["notice", "kill"])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--policies", default="all", help="comma-separated letters, e.g. a,b")
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    exit_on_sigterm()
+    trace = load(args.trace).segment(args.segment_start, args.segment)
+    setup = Setup(args.model, trace.compressed(args.compress, args.count_scale),
+                  args.reserved_gpus, args.time_scale, args.window,
+                  {"model": args.model, "steps": 100_000, "prompts_per_step": args.prompts,
+                   "samples_per_prompt": args.samples, "max_new_tokens": args.max_new_tokens,
+                   "seed": args.seed}, args.removal, args.seed)
+    chosen = POLICIES if args.policies == "all" else [
+        p for p in POLICIES if p.name[1:].split(")")[0] in args.policies.split(",")]
+    title = (f"EMULATION: {args.model} on H100 (modelled), {args.reserved_gpus} reserved GPUs, "
+             f"spot = {args.trace} trace x{args.count_scale} "
+             f"[{args.segment_start:.0f}s +{args.segment:.0f}s, /{args.compress:.0f}]")
+    print(title, flush=True)
+    print(f"trainer: {PRESETS[args.model].seconds_per_token * 1e6:.1f} us/token on "
+          f"{PRESETS[args.model].gpus} GPUs; serving: {serving_model(args.model)}", flush=True)
+    outcomes = []
+    started = time.monotonic()
+    for policy in chosen:
+        with tempfile.TemporaryDirectory(prefix="rlboost-paper-") as tmp:
+            t = time.monotonic()
+            outcomes.append(run_policy(policy, setup, Path(tmp)))
+            print(f"  {policy.name}: {len(outcomes[-1].steps)} steps measured "
+                  f"({time.monotonic() - t:.0f}s wall)", flush=True)
+    prices = paper_report.Prices.from_env()
+    rows = paper_report.table(outcomes, prices)
+    print(f"\n{paper_report.render(rows, markdown=False)}")
+    print(f"\nprices per GPU-hour: on-demand ${prices.on_demand_gpu_h:.2f}, spot "
+          f"${prices.spot_gpu_h:.2f}; {time.monotonic() - started:.0f}s in all")
+    args.out.mkdir(parents=True, exist_ok=True)
+    paper_report.plot(outcomes, args.out / "bench-paper.png", title)
+    (args.out / "bench-paper.md").write_text(
+        f"{title}\n\n{paper_report.render(rows, markdown=True)}\n\nprices per GPU-hour: "
+        f"on-demand ${prices.on_demand_gpu_h:.2f}, spot ${prices.spot_gpu_h:.2f}\n")
+    print(f"wrote {args.out / 'bench-paper.png'} and {args.out / 'bench-paper.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

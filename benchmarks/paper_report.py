@@ -1,0 +1,129 @@
+"""Cost model, table and plot for ``make bench-paper``.
+
+Prices are per GPU-hour, named settings with documented defaults (override with the environment
+variables or the bench's flags). ASSUMPTIONS, not quotes:
+
+* ``RLBOOST_PRICE_ON_DEMAND_GPU_H`` = 6.88: AWS p5.48xlarge (8x H100) on-demand list price of
+  $55.04/h after the June 2025 price cut, divided by 8.
+* ``RLBOOST_PRICE_SPOT_GPU_H`` = 2.41: the same at a 65 % spot discount; AWS advertises up to
+  90 %, GPU spot capacity usually trades 60-70 % below on-demand.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ON_DEMAND_GPU_H = 6.88
+SPOT_GPU_H = 2.41
+
+
+@dataclass(frozen=True)
+class Prices:
+    on_demand_gpu_h: float = ON_DEMAND_GPU_H
+    spot_gpu_h: float = SPOT_GPU_H
+
+    @classmethod
+    def from_env(cls) -> Prices:
+        return cls(float(os.environ.get("RLBOOST_PRICE_ON_DEMAND_GPU_H") or ON_DEMAND_GPU_H),
+                   float(os.environ.get("RLBOOST_PRICE_SPOT_GPU_H") or SPOT_GPU_H))
+
+
+@dataclass
+class Outcome:
+    """What one policy achieved over its measured window (emulated seconds throughout)."""
+
+    policy: str
+    steps: list[dict[str, Any]]  # step records inside the window
+    window_s: float  # emulated seconds from the first measured step's start to the last's end
+    reserved_gpu_s: float
+    spot_gpu_s: float
+    spot_history: list[tuple[float, int]] = field(default_factory=list)  # (emulated t, count)
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(s["tokens"]) for s in self.steps)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.window_s if self.window_s > 0 else 0.0
+
+    def dollars(self, prices: Prices) -> float:
+        return (self.reserved_gpu_s * prices.on_demand_gpu_h
+                + self.spot_gpu_s * prices.spot_gpu_h) / 3600
+
+    def tokens_per_dollar(self, prices: Prices) -> float:
+        cost = self.dollars(prices)
+        return self.tokens / cost if cost > 0 else 0.0
+
+    def total(self, key: str) -> float:
+        return sum(float(s.get(key, 0)) for s in self.steps)
+
+    @property
+    def trainer_idle_pct(self) -> float:
+        busy = self.total("step_s")
+        return 100 * self.total("trainer_idle_s") / busy if busy else 0.0
+
+
+COLUMNS = ("policy", "steps", "tokens/s", "vs (a)", "tokens/$", "vs (a)", "regenerated",
+           "migrations", "trainer idle %", "spot GPUs")
+
+
+def table(outcomes: list[Outcome], prices: Prices) -> list[list[str]]:
+    base = outcomes[0]
+    rows = []
+    for o in outcomes:
+        tps = o.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+        tpd = o.tokens_per_dollar(prices) / base.tokens_per_dollar(prices) \
+            if base.tokens_per_dollar(prices) else 0.0
+        mean_spot = o.spot_gpu_s / o.window_s if o.window_s else 0.0
+        rows.append([o.policy, str(len(o.steps)), f"{o.tokens_per_s:,.0f}", f"{tps:.2f}x",
+                     f"{o.tokens_per_dollar(prices):,.0f}", f"{tpd:.2f}x",
+                     f"{o.total('tokens_regenerated'):,.0f}", f"{o.total('migrations'):,.0f}",
+                     f"{o.trainer_idle_pct:.0f}", f"{mean_spot:.1f}"])
+    return rows
+
+
+def render(rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([fmt.format(*COLUMNS), *(fmt.format(*r) for r in rows)])
+
+
+def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
+    """Throughput per step over time for each policy, the live spot count beneath."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1]})
+    for o in outcomes:
+        t0 = o.steps[0]["started_at_emu"] if o.steps else 0.0
+        xs = [s["finished_at_emu"] - t0 for s in o.steps]
+        ys = [s["tokens"] / s["step_s_emu"] for s in o.steps]
+        top.step(xs, ys, where="pre", label=o.policy)
+    top.set_ylabel("trained tokens/s (per step)")
+    top.set_title(title, fontsize=10)
+    top.legend(fontsize=8, loc="lower right")
+    top.grid(alpha=0.3)
+    for o in outcomes:
+        if o.spot_history:
+            xs = [t for t, _ in o.spot_history]
+            bottom.step(xs, [c for _, c in o.spot_history], where="post", label=o.policy,
+                        alpha=0.7)
+            break  # every spot policy replays the same trace: one line says it
+    bottom.set_ylabel("spot instances")
+    bottom.set_xlabel("emulated seconds since the first measured step")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
