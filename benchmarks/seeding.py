@@ -30,7 +30,7 @@ STEPS = 12
 SPEC: dict[str, Any] = {"model": "emu-32b", "steps": STEPS, "prompts_per_step": 32,
                         "samples_per_prompt": 8, "max_new_tokens": 128, "seed": 5}
 ENV = {"RLBOOST_EMU_TIME_SCALE": "1.0", "RLBOOST_CHUNK_TOKENS": "16",
-       "RLBOOST_HEARTBEAT_S": "0.25", "RLBOOST_REBALANCE_SKEW": "0"}
+       "RLBOOST_EMU_MODEL": "emu-32b", "RLBOOST_HEARTBEAT_S": "0.25", "RLBOOST_REBALANCE_SKEW": "0"}
 HIGH, LOW = 8, 2
 
 
@@ -87,7 +87,7 @@ def settle(windows: list[float], start: int, end: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fixed", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0])
+    parser.add_argument("--fixed", type=float, nargs="+", default=[0.0, 1.0, 2.0, 4.0, 8.0])
     args = parser.parse_args(argv)
     exit_on_sigterm()
     settings: list[tuple[str, dict[str, Any]]] = [("adaptive", {"mode": "adaptive"})]
