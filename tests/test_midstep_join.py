@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from rlboost.launcher import Child
+from rlboost.launcher import Child, Cluster
 from shared.stack import Stack
 from tests.conftest import start_cluster, wait_run
 from tests.invariants import check_run, step_records
@@ -51,31 +51,37 @@ def wait_until(what: str, timeout_s: float, probe: Callable[[], T | None]) -> T:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def join_mid_step(cluster: Cluster, client: httpx.Client, run_id: str, logs: Path) -> Child:
+    """Start the joiner once step ``JOIN_STEP`` is generating; returns it."""
+
+    def mid_step() -> dict[str, Any] | None:
+        run: dict[str, Any] = client.get(f"/v1/runs/{run_id}").json()
+        assert run["state"] in ("queued", "running") and run["step"] <= JOIN_STEP, run
+        progress = run["progress"]
+        # Committed tokens of the step: its version exists and it is generating.
+        started = run["step"] == JOIN_STEP and progress.get("state") == "rollout" \
+            and progress["tokens"] > 0
+        return run if started else None
+
+    wait_until(f"step {JOIN_STEP} to generate", 40, mid_step)
+    # Not Cluster.add_instance: the joiner needs its own batch size (the cluster's is the
+    # reserved instance's two). In cluster.children, so cluster.stop() ends it.
+    joiner = Child(JOINER, [sys.executable, "-m", "rollout_svc"], {
+        **cluster.env, "RLBOOST_ENGINE": "emu", "RLBOOST_INSTANCE_ID": JOINER,
+        "RLBOOST_INSTANCE_KIND": "spot", "RLBOOST_MAX_BATCH": "32",
+    }, logs / f"{JOINER}.log")
+    joiner.start()
+    cluster.children.append(joiner)
+    return joiner
+
+
 def test_midstep_joiner_serves_the_step_with_its_version(brokers: Stack, tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path, brokers, spot=0, reserved=1, engine="emu",
                             env={**FAST, "RLBOOST_MAX_BATCH": str(RESERVED_BATCH)})
     try:
         with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=10) as client:
             run_id = client.post("/v1/runs", json=SPEC).json()["id"]
-
-            def mid_step() -> dict[str, Any] | None:
-                run: dict[str, Any] = client.get(f"/v1/runs/{run_id}").json()
-                assert run["state"] in ("queued", "running") and run["step"] <= JOIN_STEP, run
-                progress = run["progress"]
-                # Committed tokens of the step: its version exists and it is generating.
-                started = run["step"] == JOIN_STEP and progress.get("state") == "rollout" \
-                    and progress["tokens"] > 0
-                return run if started else None
-
-            wait_until(f"step {JOIN_STEP} to generate", 40, mid_step)
-            # Not Cluster.add_instance: the joiner needs its own batch size (the cluster's is
-            # the reserved instance's two). In cluster.children, so cluster.stop() ends it.
-            joiner = Child(JOINER, [sys.executable, "-m", "rollout_svc"], {
-                **cluster.env, "RLBOOST_ENGINE": "emu", "RLBOOST_INSTANCE_ID": JOINER,
-                "RLBOOST_INSTANCE_KIND": "spot", "RLBOOST_MAX_BATCH": "32",
-            }, tmp_path / "logs" / f"{JOINER}.log")
-            joiner.start()
-            cluster.children.append(joiner)
+            joiner = join_mid_step(cluster, client, run_id, tmp_path / "logs")
 
             def joiner_ready() -> dict[str, Any] | None:
                 assert joiner.alive(), joiner.tail()
@@ -108,5 +114,25 @@ def test_midstep_joiner_serves_the_step_with_its_version(brokers: Stack, tmp_pat
                         assert s["weight_version"] == step, s
                         # The tokens themselves are those of the step's version.
                         assert s["response_token_ids"] == oracle(SPEC, s, step), s
+    finally:
+        cluster.stop()
+
+
+def test_without_midstep_join_a_joiner_waits_for_the_next_step(
+    brokers: Stack, tmp_path: Path
+) -> None:
+    """The ablation switch (weights only at step boundaries): the same joiner sits out the step
+    it arrived in, while the reserved side finishes it, and works from the next step on."""
+    cluster = start_cluster(tmp_path, brokers, spot=0, reserved=1, engine="emu",
+                            env={**FAST, "RLBOOST_MAX_BATCH": str(RESERVED_BATCH),
+                                 "RLBOOST_MIDSTEP_JOIN": "off"})
+    try:
+        with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=10) as client:
+            run_id = client.post("/v1/runs", json=SPEC).json()["id"]
+            join_mid_step(cluster, client, run_id, tmp_path / "logs")
+            assert wait_run(client, run_id, 90, cluster)["state"] == "succeeded"
+            by_step = check_run(client, run_id, SPEC, REWARD)
+            assert not any(JOINER in s["instances"] for s in by_step[JOIN_STEP])
+            assert any(JOINER in s["instances"] for s in by_step[JOIN_STEP + 1])
     finally:
         cluster.stop()
