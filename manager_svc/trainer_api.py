@@ -23,6 +23,7 @@ from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, obs
 from shared.config import ManagerConfig
 from shared.names import Keys
 from shared.protocol import (
+    MESSAGE_BUDGET,
     Ack,
     ActiveRun,
     Digest,
@@ -32,9 +33,12 @@ from shared.protocol import (
     StepSamplesQuery,
     StepStart,
     TrainerPoll,
+    encode,
 )
 
 log = logging.getLogger("manager")
+# Samples per reply at most; fewer when they would not fit in one message.
+SAMPLES_PAGE_MAX = 512
 LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
                  "stale_chunks_rejected", "tokens_regenerated")
 
@@ -106,11 +110,20 @@ class TrainerProtocol:
 
     async def on_samples(self, query: StepSamplesQuery) -> StepSamples:
         digest = await self._barrier_digest(query.run_id, query.step)
-        samples = await self.ledger.done_samples(query.run_id, query.step)
+        rids = sorted(await self.redis.smembers(Keys.done(query.run_id, query.step)))
+        limit = max(0, min(query.limit, SAMPLES_PAGE_MAX))
+        page = rids[max(0, query.offset):max(0, query.offset) + limit]
         free = await self.redis.hget(Keys.step(query.run_id, query.step), "reserved_free")
+        samples = await self.ledger.samples(page) if page else []
+        size, fits = 0, 0
+        for sample in samples:  # at least one, however long, so paging always advances
+            size += len(encode(sample))
+            if fits and size > MESSAGE_BUDGET:
+                break
+            fits += 1
         return StepSamples(run_id=query.run_id, step=query.step, complete=digest is not None,
-                           train_now=digest is not None or free == "1", samples=samples,
-                           digest=digest)
+                           train_now=digest is not None or free == "1", samples=samples[:fits],
+                           done=len(rids), digest=digest)
 
     async def on_finish(self, fin: StepFinish) -> Ack:
         run = await self.runs.get(fin.run_id)

@@ -157,9 +157,18 @@ class GroupDone(Msg):
     samples: list[Sample]
 
 
+# Replies and events stay under this many encoded bytes: NATS refuses messages over its
+# max_payload, 1 MB by default, and a step can hold far more samples than that.
+MESSAGE_BUDGET = 768 * 1024
+
+
 class StepSamplesQuery(Msg):
     run_id: str
     step: int
+    # Paged: a step can hold more samples than one NATS message (1 MB by default) carries, and
+    # a status poll needs none of them. Samples are in request-id order.
+    offset: int = 0
+    limit: int = 0  # at most this many samples in the reply (0: status only)
 
 
 class StepSamples(Msg):
@@ -167,7 +176,8 @@ class StepSamples(Msg):
     step: int
     complete: bool  # True once the barrier for the step has been reached
     train_now: bool = True  # the reserved side has stopped generating: training may start
-    samples: list[Sample] = []  # completed samples (all of them once complete)
+    samples: list[Sample] = []  # completed samples [offset, offset + limit) of the query
+    done: int = 0  # completed samples so far
     digest: Digest | None = None
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from rlboost.launcher import Child
+from shared.protocol import Sample, encode
 from shared.stack import Stack
 from tests.conftest import start_cluster, wait_run
 from tests.invariants import check_run
@@ -47,4 +48,25 @@ def test_one_process_serves_four_instances(brokers: Stack, tmp_path: Path) -> No
             assert not left & {f"pack-{k}" for k in range(4)}
     finally:
         group.signal(signal.SIGKILL)
+        cluster.stop()
+
+
+def test_a_step_larger_than_one_message_still_trains(brokers: Stack, tmp_path: Path) -> None:
+    """A step whose samples exceed NATS's 1 MB payload: the trainer pages them after the
+    barrier (and streams the groups that fit), instead of waiting for a reply that can't come."""
+    spec = {"model": "emu", "steps": 2, "prompts_per_step": 32, "samples_per_prompt": 16,
+            "max_new_tokens": 2048, "seed": 11}
+    cluster = start_cluster(tmp_path, brokers, spot=2, reserved=1, engine="emu", env={
+        **FAST, "RLBOOST_EMU_TIME_SCALE": "0.02", "RLBOOST_CHUNK_TOKENS": "256",
+        "RLBOOST_MAX_BATCH": "256"})
+    try:
+        with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=30) as client:
+            run_id = client.post("/v1/runs", json=spec).json()["id"]
+            assert wait_run(client, run_id, 180, cluster)["state"] == "succeeded"
+            by_step = check_run(client, run_id, spec, REWARD)
+            for samples in by_step.values():
+                size = len(encode([Sample(**{k: v for k, v in s.items() if k != "reward"})
+                                   for s in samples]))
+                assert size > 1024 * 1024  # the setting: more than one message could carry
+    finally:
         cluster.stop()

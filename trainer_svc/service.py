@@ -148,6 +148,18 @@ class TrainerService:
         # Wake the step loop, which waits on the group queue.
         await self._events.put(GroupDone(run_id="", step=-1, prompt_index=-1, samples=[]))
 
+    async def _all_samples(self, run_id: str, step: int, total: int) -> list[Sample]:
+        """The step's samples after its barrier, page by page (no message may exceed NATS's
+        payload limit); once the barrier is reached the set no longer changes."""
+        samples: list[Sample] = []
+        while len(samples) < total:
+            page = await request(self.nc, names.TRAINER_SAMPLES, StepSamplesQuery(
+                run_id=run_id, step=step, offset=len(samples), limit=512), StepSamples, 10.0)
+            if not page.samples:
+                raise RuntimeError(f"samples of step {step} ended at {len(samples)} of {total}")
+            samples += page.samples
+        return samples
+
     # --- run set-up ------------------------------------------------------------------------
 
     async def _setup(self, work: ActiveRun) -> ActiveTraining:
@@ -204,7 +216,9 @@ class TrainerService:
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 event = await asyncio.wait_for(self._events.get(), self.cfg.poll_s / 4)
-                if event.run_id == run.run_id and event.step == step:
+                # A group too large for one message comes without samples: it is trained
+                # from the paged samples at the barrier.
+                if event.run_id == run.run_id and event.step == step and event.samples:
                     waiting.append(event)
             if train_now:
                 for done in waiting:
@@ -220,7 +234,7 @@ class TrainerService:
             if not state.complete:
                 continue
             by_group: dict[int, list[Sample]] = {}
-            for s in state.samples:
+            for s in await self._all_samples(run.run_id, step, state.done):
                 by_group.setdefault(s.prompt_index, []).append(s)
             for prompt_index, group in sorted(by_group.items()):
                 if prompt_index not in run.trained:
