@@ -26,11 +26,12 @@ from manager_svc.runs import RunStore
 from shared import names
 from shared.config import ManagerConfig
 from shared.names import Keys
-from shared.protocol import Assign, Handoff, Revoke, encode
+from shared.protocol import Assign, Assignment, Handoff, Revoke, encode
 
 log = logging.getLogger("manager")
 # Do not move work off the same instance more often than this: moved work needs a moment to land.
 REBALANCE_COOLDOWN_S = 2.0
+ASSIGN_CONCURRENCY = 32  # assignment scripts in flight at once (one Redis connection each)
 REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
 
 
@@ -126,16 +127,18 @@ class Dispatch:
         sent = 0
         for inst in ready:
             room = min(inst["capacity"], share) - inst["held"]
-            batch = []
+            batch: list[Assignment] = []
             while room > 0 and queue:
-                rid = queue.pop(0)
-                assignment = await self.ledger.assign(
+                # Each assignment is its own atomic script; running a slice of them at once
+                # overlaps their round trips (thousands of responses per step otherwise cost
+                # thousands of sequential waits on Redis).
+                n = min(room, ASSIGN_CONCURRENCY)
+                take, queue = queue[:n], queue[n:]
+                got = await asyncio.gather(*(self.ledger.assign(
                     rid, inst["id"], float(spec.get("temperature", 1.0)),
-                    int(spec.get("seed", 0)), int(info.get("eos", 0)),
-                )
-                if assignment is not None:
-                    batch.append(assignment)
-                    room -= 1
+                    int(spec.get("seed", 0)), int(info.get("eos", 0))) for rid in take))
+                batch += [a for a in got if a is not None]
+                room -= sum(1 for a in got if a is not None)
             if batch:
                 self.metrics.assignments.inc(len(batch))
                 await self.nc.publish(names.assign_subject(inst["id"]), encode(Assign(items=batch)))

@@ -62,7 +62,8 @@ def test_a_step_larger_than_one_message_still_trains(brokers: Stack, tmp_path: P
     try:
         with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=30) as client:
             run_id = client.post("/v1/runs", json=spec).json()["id"]
-            assert wait_run(client, run_id, 180, cluster)["state"] == "succeeded"
+            final = wait_run(client, run_id, 180, cluster)
+            assert final["state"] == "succeeded", final
             by_step = check_run(client, run_id, spec, REWARD)
             for samples in by_step.values():
                 size = len(encode([Sample(**{k: v for k, v in s.items() if k != "reward"})
