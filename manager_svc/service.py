@@ -21,10 +21,11 @@ import msgspec
 import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg as NatsMsg
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 from redis.exceptions import RedisError
 
-from manager_svc.accounting import CommitResult, Ledger
+from manager_svc.accounting import Ledger
 from manager_svc.dispatch import Dispatch
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
@@ -59,6 +60,9 @@ M = TypeVar("M", bound=msgspec.Struct)
 LOST_ASSIGNMENT_S = 1.5
 # How long a release waits for the leaving instance's last chunks to be committed.
 RELEASE_COMMIT_WAIT_S = 3.0
+# Chunks pulled, committed in one Redis round trip (one AOF fsync) and acked together.
+FETCH_BATCH, FETCH_WAIT_S = 512, 0.5
+PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 # How long a released session stays barred: far longer than any beat can sit in flight.
 DEPARTED_TTL_MS = 60_000
 
@@ -83,6 +87,7 @@ class ManagerService(Dispatch, TrainerProtocol):
         self.cfg = cfg
         self.metrics = ManagerMetrics()
         self._tasks: list[asyncio.Task[None]] = []
+        self._tails: dict[str, asyncio.Task[None]] = {}  # keyed bus handlers, newest per key
         self._wake = asyncio.Event()
         self._stopping = False
         self._rebalanced: dict[str, float] = {}  # soft state: last rebalance per instance
@@ -100,9 +105,9 @@ class ManagerService(Dispatch, TrainerProtocol):
         self.ledger = Ledger(self.redis, self.cfg.lease_ttl_s, self.cfg.migration)
         self.runs = RunStore(self.redis)
         self._register = self.redis.register_script(_REGISTER)
-        js = self.nc.jetstream()
-        await ensure_chunk_stream(js)
-        await self._serve(names.HEARTBEAT, Heartbeat, self.on_heartbeat)
+        await ensure_chunk_stream(self.nc.jetstream())
+        await self._serve(names.HEARTBEAT, Heartbeat, self.on_heartbeat,
+                          key=lambda hb: hb.instance_id)
         await self._serve(names.RELEASE, Release, self.on_release)
         await self._serve(names.TRAINER_POLL, TrainerPoll, self.on_poll)
         await self._serve(names.TRAINER_START, StepStart, self.on_step_start)
@@ -143,10 +148,13 @@ class ManagerService(Dispatch, TrainerProtocol):
                 log.exception("%s failed; restarting it in 0.5s", loop.__name__)
                 await asyncio.sleep(0.5)
 
-    async def _serve(
-        self, subject: str, kind: type[M], handler: Callable[[M], Awaitable[Any]]
-    ) -> None:
-        async def callback(msg: NatsMsg) -> None:
+    async def _serve(self, subject: str, kind: type[M], handler: Callable[[M], Awaitable[Any]],
+                     key: Callable[[M], str] | None = None) -> None:
+        """Answer with ``handler`` one message at a time; with ``key``, in order per key but
+        concurrently across keys (all in one queue, heartbeats came late and leases expired)."""
+        async def callback(msg: NatsMsg, after: asyncio.Task[None] | None = None) -> None:
+            if after is not None:
+                await asyncio.wait([after])
             try:
                 request = decode(msg.data, kind)
             except ProtocolError as exc:
@@ -168,7 +176,16 @@ class ManagerService(Dispatch, TrainerProtocol):
                 with contextlib.suppress(Exception):
                     await msg.respond(encode(reply))
 
-        await self.nc.subscribe(subject, cb=callback)
+        async def spawn(msg: NatsMsg) -> None:
+            try:
+                tag = key(decode(msg.data, kind)) if key else ""
+            except ProtocolError:
+                tag = ""  # the callback reports it
+            task = asyncio.create_task(callback(msg, self._tails.get(tag)))
+            self._tails[tag] = task  # the newest per key; each task holds the one before it
+            task.add_done_callback(lambda t: self._tails.get(tag) is t and self._tails.pop(tag))
+
+        await self.nc.subscribe(subject, cb=callback if key is None else spawn)
 
     # --- instances -------------------------------------------------------------------------
 
@@ -297,65 +314,76 @@ class ManagerService(Dispatch, TrainerProtocol):
     # --- chunks and the barrier ------------------------------------------------------------
 
     async def _consume_chunks(self) -> None:
-        js = self.nc.jetstream()
-        sub = await js.pull_subscribe(
+        """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered
+        into a callback subscription: nats-py's ``fetch`` costs two tasks per message."""
+        await self.nc.jetstream().pull_subscribe(  # creates (or binds to) the durable consumer
             names.CHUNK_WILDCARD, durable=names.CHUNK_CONSUMER, stream=names.CHUNK_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-                                  max_ack_pending=65536),
-        )
-        while True:
-            try:
-                batch = await sub.fetch(512, timeout=0.5)
-            except TimeoutError:
-                continue
-            except Exception as exc:  # a broker restart surfaces here; the consumer is durable
-                if "timeout" not in type(exc).__name__.lower():
-                    log.warning("chunk fetch: %s", exc)
-                    await asyncio.sleep(0.2)
-                continue
-            for msg in batch:
-                await self._ingest(msg)
+                                  max_ack_pending=65536))
+        inbox, arrived, batch = self.nc.new_inbox(), asyncio.Event(), list[NatsMsg]()
+        due = [0, 0.0]  # messages the outstanding request may still bring, and its expiry
 
-    async def _ingest(self, msg: NatsMsg) -> None:
+        async def on_msg(msg: NatsMsg) -> None:
+            status = JetStreamContext.is_status_msg(msg)
+            if status is None:
+                batch.append(msg)
+                due[0] -= 1
+            elif status != "100":  # 404/408/409 end a request (100 is an idle heartbeat)
+                due[0] = 0
+            arrived.set()
+
+        sub = await self.nc.subscribe(inbox, cb=on_msg)
         try:
-            chunk = decode(msg.data, TokenChunk)
-            names.parse_request_id(chunk.request_id)
-        except (ProtocolError, ValueError) as exc:
-            self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
-            log.warning("dropped chunk: %s", exc)
-            await msg.term()
-            return
-        result = await self._commit(chunk)
-        self.metrics.chunks.labels(result.status).inc()
-        if result.status in ("ok", "final", "group", "step"):
-            self.metrics.tokens.inc(len(chunk.token_ids))
-        elif result.status in ("gap", "wrong_version", "overlong"):
-            self.metrics.revocations.labels(result.status).inc()
-            log.info("chunk of %s from %s: %s; taken back", chunk.request_id,
-                     chunk.instance_id, result.status)
-            self._wake.set()
-        if result.status in ("group", "step"):
-            run_id, step, prompt, _ = names.parse_request_id(chunk.request_id)
-            spec = (await self.runs.get(run_id) or {}).get("spec", {})
-            samples = await self.ledger.group_samples(run_id, step, prompt,
-                                                      int(spec.get("samples_per_prompt", 1)))
-            await self.nc.publish(names.group_subject(run_id), encode(
-                GroupDone(run_id=run_id, step=step, prompt_index=prompt, samples=samples)))
-            if result.status == "step":
-                await self._barrier(run_id, step)
-        await msg.ack()
+            while True:  # a request lost to a broker restart never answers: expiry ends it
+                if due[0] <= 0 or time.monotonic() > due[1]:
+                    due[:] = [FETCH_BATCH, time.monotonic() + FETCH_WAIT_S]
+                    await self.nc.publish(PULL_NEXT, reply=inbox, payload=json.dumps(
+                        {"batch": FETCH_BATCH, "expires": int(FETCH_WAIT_S * 1e9)}).encode())
+                if not batch:
+                    arrived.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(arrived.wait(), FETCH_WAIT_S)
+                taken, batch[:] = batch[:], []
+                await self._ingest(taken)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
-    async def _commit(self, chunk: TokenChunk) -> CommitResult:
-        """Commit, waiting out a Redis restart: the stream keeps later chunks in order behind
-        this one, so retrying here (not nak-ing) is what keeps every offset in sequence."""
-        delay = 0.05
-        while True:
+    async def _ingest(self, batch: list[NatsMsg]) -> None:
+        """Commit a batch in stream order in one round trip, send its events, then ack it: a
+        batch is acked only once committed, so after a crash it returns as duplicates."""
+        valid: list[tuple[NatsMsg, TokenChunk]] = []
+        for msg in batch:
             try:
-                return await self.ledger.commit(chunk)
-            except RedisError as exc:
-                log.warning("commit waits for Redis: %s", exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                chunk = decode(msg.data, TokenChunk)
+                names.parse_request_id(chunk.request_id)
+            except (ProtocolError, ValueError) as exc:
+                self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
+                log.warning("dropped chunk: %s", exc)
+                await msg.term()
+            else:
+                valid.append((msg, chunk))
+        results = await self.ledger.commit_many([c for _, c in valid], wait_for_redis=True)
+        for (_, chunk), result in zip(valid, results, strict=True):
+            self.metrics.chunks.labels(result.status).inc()
+            if result.status in ("ok", "final", "group", "step"):
+                self.metrics.tokens.inc(len(chunk.token_ids))
+            elif result.status in ("gap", "wrong_version", "overlong"):
+                self.metrics.revocations.labels(result.status).inc()
+                log.info("chunk of %s from %s: %s; taken back", chunk.request_id,
+                         chunk.instance_id, result.status)
+                self._wake.set()
+            if result.status in ("group", "step"):
+                run_id, step, prompt, _ = names.parse_request_id(chunk.request_id)
+                spec = (await self.runs.get(run_id) or {}).get("spec", {})
+                samples = await self.ledger.group_samples(
+                    run_id, step, prompt, int(spec.get("samples_per_prompt", 1)))
+                await self.nc.publish(names.group_subject(run_id), encode(GroupDone(
+                    run_id=run_id, step=step, prompt_index=prompt, samples=samples)))
+                if result.status == "step":
+                    await self._barrier(run_id, step)
+        for msg, _ in valid:
+            await msg.ack()
 
     async def _barrier(self, run_id: str, step: int) -> None:
         """Every response of the step is complete, once: freeze the digest and announce it."""
