@@ -44,6 +44,11 @@ bench-weights: venv
 bench-seeding: venv
 	$(BIN)/python -m benchmarks.seeding
 
+.PHONY: bench-control-plane
+# Manager ingest vs raw NATS, and 32 emu instances vs the ideal schedule
+bench-control-plane: venv
+	$(BIN)/python -m benchmarks.control_plane
+
 .PHONY: bench-paper
 # The paper's comparison, emulated GPU time on the real services; writes docs/results/
 bench-paper: venv
