@@ -36,6 +36,7 @@ from shared.config import ManagerConfig
 from shared.errors import ProtocolError
 from shared.names import Keys
 from shared.protocol import (
+    MESSAGE_BUDGET,
     Ack,
     Barrier,
     GroupDone,
@@ -378,8 +379,11 @@ class ManagerService(Dispatch, TrainerProtocol):
                 spec = (await self.runs.get(run_id) or {}).get("spec", {})
                 samples = await self.ledger.group_samples(
                     run_id, step, prompt, int(spec.get("samples_per_prompt", 1)))
-                await self.nc.publish(names.group_subject(run_id), encode(GroupDone(
-                    run_id=run_id, step=step, prompt_index=prompt, samples=samples)))
+                event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt,
+                                         samples=samples))
+                if len(event) > MESSAGE_BUDGET:  # the trainer pages it in after the barrier
+                    event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt))
+                await self.nc.publish(names.group_subject(run_id), event)
                 if result.status == "step":
                     await self._barrier(run_id, step)
         for msg, _ in valid:

@@ -114,7 +114,9 @@ class TrainerProtocol:
         limit = max(0, min(query.limit, SAMPLES_PAGE_MAX))
         page = rids[max(0, query.offset):max(0, query.offset) + limit]
         free = await self.redis.hget(Keys.step(query.run_id, query.step), "reserved_free")
-        samples = await self.ledger.samples(page) if page else []
+        # In request-id order, like the page: a trimmed reply must end where the next begins.
+        samples = sorted(await self.ledger.samples(page) if page else [],
+                         key=lambda x: x.request_id)
         size, fits = 0, 0
         for sample in samples:  # at least one, however long, so paging always advances
             size += len(encode(sample))

@@ -154,7 +154,7 @@ class GroupDone(Msg):
     run_id: str
     step: int
     prompt_index: int
-    samples: list[Sample]
+    samples: list[Sample] = []  # empty when they would not fit in one message
 
 
 # Replies and events stay under this many encoded bytes: NATS refuses messages over its

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from rlboost.launcher import Child
 from shared.protocol import Sample, encode
@@ -51,11 +52,18 @@ def test_one_process_serves_four_instances(brokers: Stack, tmp_path: Path) -> No
         cluster.stop()
 
 
-def test_a_step_larger_than_one_message_still_trains(brokers: Stack, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", [(32, 16, 2048), (2, 96, 8192)],
+                         ids=["many-groups", "groups-over-1MB"])
+def test_a_step_larger_than_one_message_still_trains(
+    brokers: Stack, tmp_path: Path, shape: tuple[int, int, int]
+) -> None:
     """A step whose samples exceed NATS's 1 MB payload: the trainer pages them after the
-    barrier (and streams the groups that fit), instead of waiting for a reply that can't come."""
-    spec = {"model": "emu", "steps": 2, "prompts_per_step": 32, "samples_per_prompt": 16,
-            "max_new_tokens": 2048, "seed": 11}
+    barrier, instead of waiting for a reply that can't come; a group too large to stream is
+    announced without its samples and trained from the pages."""
+    prompts, samples_per_prompt, max_new_tokens = shape
+    spec = {"model": "emu", "steps": 2, "prompts_per_step": prompts,
+            "samples_per_prompt": samples_per_prompt, "max_new_tokens": max_new_tokens,
+            "seed": 11}
     cluster = start_cluster(tmp_path, brokers, spot=2, reserved=1, engine="emu", env={
         **FAST, "RLBOOST_EMU_TIME_SCALE": "0.02", "RLBOOST_CHUNK_TOKENS": "256",
         "RLBOOST_MAX_BATCH": "256"})
