@@ -24,7 +24,11 @@ STEP_OVERHEAD_S = 0.005  # scheduler + kernel launches per decode step
 CONTEXT_TOKENS = 4096  # mean sequence context in reasoning RL
 KV_EFFICIENCY = 0.5  # share of HBM bandwidth the attention kernels reach on KV reads
 PREFILL_MFU = 0.5  # prefill is compute-bound and runs near half of peak
-LOAD_BYTES_S = 4e9  # checkpoint already on local disk/page cache -> HBM, per instance
+# A spot instance's weight update per step: pull the checkpoint at the weight service's target
+# rate (line rate of a 100 Gb/s NIC, 12.5 GB/s) while it lands in the page cache, then load it
+# from there into HBM (PCIe Gen5 x16, ~25 GB/s): ~8 GB/s end to end. The emulated pull moves
+# a small placeholder, so this figure stands for both.
+LOAD_BYTES_S = 8e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,7 @@ class ServingModel:
 
     @property
     def load_s(self) -> float:
-        # In-place weight update of a checkpoint already local (SGLang update_weights_from_disk).
+        # Pull + SGLang update_weights_from_disk; each tensor-parallel rank loads its shard.
         return 2 * self.params / (self.gpus * LOAD_BYTES_S)
 
     def engine_options(self) -> dict[str, float]:
