@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 from rollout_svc.emu_models import serving_model
 from rollout_svc.engine import create_engine
@@ -55,6 +56,11 @@ async def serve(services: list[RolloutService]) -> None:
             service.notice(reason)
 
     loop = asyncio.get_running_loop()
+    # Every instance steps its engine in a worker thread (and may load weights in another): the
+    # default pool (cores + 4 threads) would leave instances of a packed emu process waiting
+    # for a thread, i.e. fewer emulated GPUs than configured.
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=2 * len(services) + 4,
+                                                 thread_name_prefix="engine"))
     loop.add_signal_handler(signal.SIGTERM, notice, "preempt")
     loop.add_signal_handler(signal.SIGINT, notice, "shutdown")
     await asyncio.gather(*(s.run() for s in services))
