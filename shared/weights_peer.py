@@ -2,11 +2,14 @@
 
 Contract: a :class:`PeerServer` serves, from this instance's weights directory,
     GET /v1/peer/<run>/<version>/files/<name>   one chunk-aligned ``Range`` -> 206 (sendfile)
-    GET /v1/peer/<run>/<version>/have           {"complete": bool, "chunks": [index, ...]}
+    GET /v1/peer/<run>/<version>/have           {"complete": bool, "chunks": [index, ...],
+                                                 "fetching": [index, ...]}
 and nothing else. It serves only bytes it has verified: a complete pulled version (its final
 directory, published by :func:`shared.weights_pull.pull_version` after every chunk matched), or,
 while a pull is running, exactly the chunks that pull recorded as verified (chunk-level
-availability, so joiners that start together feed each other). Any other range is 404. It
+availability, so joiners that start together feed each other); ``fetching`` lists the chunks that
+pull has in flight from the service, so other joiners wait for them instead of fetching the same
+bytes from the service at the same time. Any other range is 404. It
 requires the weights token when one is set, binds RLBOOST_PEER_ADDR (default 127.0.0.1) on
 RLBOOST_PEER_PORT (default any free port), and announces itself to the weight service
 (``POST /v1/weights/<run>/<version>/peers``) for every version it serves, refreshing every
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +48,7 @@ class _Offer:
     chunks: list[Chunk]
     directory: Path
     done: set[int]  # shared with the Partial that records verified chunks
+    fetching: Callable[[], list[int]]  # chunks the pull has in flight from the service
 
 
 class PeerServer:
@@ -96,10 +100,11 @@ class PeerServer:
     # --- what this instance holds --------------------------------------------------------
 
     def offer(self, run_id: str, version: int, manifest: Manifest, directory: Path,
-              done: set[int]) -> None:
+              done: set[int], fetching: Callable[[], list[int]] = list) -> None:
         """Serve the verified chunks of a pull in progress (``done`` grows as it runs)."""
+        offer = _Offer(manifest, chunks_of(manifest), directory, done, fetching)
         with self._lock:
-            self._offers[(run_id, version)] = _Offer(manifest, chunks_of(manifest), directory, done)
+            self._offers[(run_id, version)] = offer
 
     def withdraw(self, run_id: str, version: int) -> None:
         """The pull ended: from now on only a complete final directory is served."""
@@ -165,7 +170,8 @@ class PeerServer:
             offer = self._offers.get((run_id, version))
             if offer is None:
                 raise RangeError(404, f"{run_id}/{version} is not held here")
-            return {"complete": False, "chunks": sorted(offer.done)}
+            chunks = sorted(offer.done)
+        return {"complete": False, "chunks": chunks, "fetching": offer.fetching()}
 
     # --- registration with the service --------------------------------------------------------
 

@@ -6,12 +6,17 @@ started; it returns None once every chunk is taken or the plan is stopped. Polic
 1. A chunk some live peer holds goes to the least busy such peer (at most ``PEER_CAP`` chunks in
    flight per peer): every byte a peer serves is a byte the service does not.
 2. Otherwise the service gets the next missing chunk in this puller's own order, a rotation that
-   starts at a random chunk: joiners that start together then fetch *different* chunks from the
-   service and swap them through rule 1, so the service sends about one copy, not one per joiner.
+   starts at a random chunk, or with peers in play a random missing chunk: joiners that start
+   together then fetch *different* chunks from the service and swap them through rule 1, so the
+   service sends about one copy, not one per joiner.
    With peers in play (``peers=True`` and a live peer known, or the first ``DISCOVERY_S`` of the
    pull, before the peer list can have arrived) a puller keeps only one chunk in flight from the
    service, so its other workers wait for peers rather than race them to the service; alone, it
-   uses all ``parallel`` workers on the service.
+   uses all ``parallel`` workers on the service. A chunk a peer reports it is fetching from the
+   service counts as held while that report is fresh (``CLAIM_FRESH_S``) and younger than
+   ``CLAIM_MAX_S``: joiners would otherwise pull the same chunk from the service at the same time,
+   which is most of the duplicate egress when many start together; the age cap keeps a stalled
+   or vanished peer from stalling everyone else.
 3. A peer that fails is dropped for the rest of the pull; a chunk it served with bad bytes is
    fetched from the service only. A 404 from a peer just means "not (any more) here".
 """
@@ -19,6 +24,7 @@ started; it returns None once every chunk is taken or the plan is stopped. Polic
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 
@@ -29,6 +35,8 @@ log = logging.getLogger(__name__)
 PEER_CAP = 2  # chunks in flight per peer per puller: spreads load over peers
 WAIT_S = 0.05  # how long an idle worker sleeps before it looks for work again
 DISCOVERY_S = 1.5  # time for a joiner to learn of peers that started with it
+CLAIM_FRESH_S = 1.0  # a peer's "fetching" list counts while its last answer is this recent
+CLAIM_MAX_S = 5.0  # longer than a 64 MiB chunk takes from a busy service by a wide margin
 
 
 class Plan:
@@ -43,9 +51,14 @@ class Plan:
         self.pending = set(range(n)) - done  # neither verified nor in flight
         self.inflight: set[int] = set()
         self._cursor = 0
+        self._rng = random.Random()  # seeded from the OS: joiners must not share a sequence
         self._retry: list[int] = []  # given back after the cursor passed them
         self.have: dict[str, set[int]] = {}
         self.complete: set[str] = set()  # peers holding the whole version
+        self.coming: dict[str, set[int]] = {}  # what each peer is fetching from the service
+        self.heard: dict[str, float] = {}  # when each peer last answered
+        self.claimed_at: dict[tuple[str, int], float] = {}
+        self.from_service: set[int] = set()  # this pull's chunks in flight from the service
         self.dead: set[str] = set()
         self.load: dict[str | None, int] = {None: 0}
         self.service_only: set[int] = set()
@@ -70,6 +83,8 @@ class Plan:
                     self.pending.discard(index)
                     self.inflight.add(index)
                     self.load[source] = self.load.get(source, 0) + 1
+                    if source is None:
+                        self.from_service.add(index)
                     return job
                 self._cond.wait(WAIT_S)
             return None
@@ -88,7 +103,14 @@ class Plan:
         alive = [u for u in self.have if u not in self.dead]
         if any(u in self.complete for u in alive):
             return None
-        held = set().union(*(self.have[u] for u in alive)) - self.service_only
+        held = set().union(*(self.have[u] for u in alive), self._claimed(alive))
+        held -= self.service_only
+        if self.peers:
+            # A random missing chunk, not the next in the rotation: joiners walking their
+            # rotations at the same pace keep reaching the same next chunk within one poll of
+            # each other, before either's claim can be seen.
+            free = sorted(self.pending - held)
+            return (self._rng.choice(free), None) if free else None
         for index in self._retry:
             if index in self.pending and index not in held:
                 self._retry.remove(index)
@@ -105,6 +127,18 @@ class Plan:
         rest = self.pending - held
         return (min(rest, key=self.rank.__getitem__), None) if rest else None
 
+    def _claimed(self, alive: list[str]) -> set[int]:
+        now = time.monotonic()
+        return {
+            i for u in alive if now - self.heard.get(u, 0.0) < CLAIM_FRESH_S
+            for i in self.coming.get(u, ()) if now - self.claimed_at[(u, i)] < CLAIM_MAX_S
+        }
+
+    def service_fetching(self) -> list[int]:
+        """Chunks this pull is fetching from the service now: what it tells its peers."""
+        with self._cond:
+            return sorted(self.from_service)
+
     def _service_cap(self, live: list[str]) -> int:
         if not self.peers:
             return self.parallel
@@ -115,6 +149,7 @@ class Plan:
     def finish(self, index: int, source: str | None) -> None:
         with self._cond:
             self.inflight.discard(index)
+            self.from_service.discard(index)
             self.load[source] -= 1
             size = self.chunks[index].size
             if source is None:
@@ -146,13 +181,22 @@ class Plan:
         with self._cond:
             return url not in self.dead and url not in self.complete
 
-    def update_peer(self, url: str, complete: bool, chunks: set[int]) -> None:
+    def update_peer(self, url: str, complete: bool, chunks: set[int],
+                    fetching: set[int] | frozenset[int] = frozenset()) -> None:
         with self._cond:
             if url in self.dead:
                 return
             if complete:
                 self.complete.add(url)
-            self.have[url] = {i for i in chunks if 0 <= i < len(self.chunks)}
+            n, now = len(self.chunks), time.monotonic()
+            self.have[url] = {i for i in chunks if 0 <= i < n}
+            coming = {i for i in fetching if 0 <= i < n}
+            for i in self.coming.get(url, set()) - coming:
+                del self.claimed_at[(url, i)]
+            for i in coming:
+                self.claimed_at.setdefault((url, i), now)
+            self.coming[url] = coming
+            self.heard[url] = now
             self._cond.notify_all()
 
     def fail(self, exc: BaseException | None) -> None:

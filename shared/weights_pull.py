@@ -158,7 +158,8 @@ async def _poll_peers(plan: Plan, session: Session, run_id: str, version: int,
                     r = await client.get(f"{url}{PEER_PREFIX}/{run_id}/{version}/have")
                     r.raise_for_status()
                     have = r.json()
-                    plan.update_peer(url, bool(have["complete"]), {int(i) for i in have["chunks"]})
+                    plan.update_peer(url, bool(have["complete"]), {int(i) for i in have["chunks"]},
+                                     {int(i) for i in have.get("fetching", [])})
                 except httpx.HTTPStatusError:
                     plan.update_peer(url, False, set())  # it answered: it holds nothing (now)
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
@@ -255,7 +256,8 @@ async def pull_version(
         svc = _Service(base_url, data_url, token, manifest_path)
         try:
             if serve is not None:
-                serve.offer(run_id, version, manifest, partial_dir, partial.done)
+                serve.offer(run_id, version, manifest, partial_dir, partial.done,
+                            plan.service_fetching)
                 serve.advertise(base_url, run_id, version)
             poller = None
             if peers:

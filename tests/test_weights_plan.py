@@ -1,0 +1,95 @@
+"""The chunk schedule of one pull (shared.weights_plan): which source each chunk comes from when
+several joiners start together. Pure scheduling, no sockets: the transfers themselves are tested
+against a real service in test_weights_client and test_weight_peers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from shared import weights_plan
+from shared.weights_manifest import Chunk
+from shared.weights_plan import Plan
+
+PEER = "http://127.0.0.1:9001"
+
+
+def plan_of(n: int, start: int = 0, parallel: int = 2) -> Plan:
+    chunks = [Chunk(i, "model.safetensors", i * 10, 10, "0" * 64) for i in range(n)]
+    return Plan(chunks, set(), {}, parallel, start, peers=True)
+
+
+def take_within(plan: Plan, seconds: float) -> tuple[int, str | None] | None:
+    """What ``take`` hands out within ``seconds``; None if it is still waiting then."""
+    got: list[tuple[int, str | None] | None] = []
+    t = threading.Thread(target=lambda: got.append(plan.take()))
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        plan.fail(None)  # wakes it with None; the plan is spent
+        t.join()
+        return None
+    return got[0]
+
+
+def test_a_chunk_a_peer_is_fetching_is_not_fetched_from_the_service_again() -> None:
+    plan = plan_of(4, start=1)
+    plan.update_peer(PEER, False, set(), {1, 2})
+    first = take_within(plan, 1.0)  # chunks nobody is fetching, in either order
+    assert first is not None and first[1] is None and first[0] in {0, 3}
+    assert plan.service_fetching() == [first[0]]
+    plan.finish(first[0], None)
+    other = 3 if first[0] == 0 else 0
+    assert take_within(plan, 1.0) == (other, None)
+    plan.finish(other, None)
+    # Only chunks the peer is bringing in are left: wait for it rather than duplicate them.
+    assert take_within(plan, 0.3) is None
+
+
+def test_once_the_peer_holds_the_chunk_it_comes_from_the_peer() -> None:
+    plan = plan_of(2)
+    plan.update_peer(PEER, False, set(), {0, 1})
+    plan.update_peer(PEER, False, {0}, {1})
+    assert take_within(plan, 1.0) == (0, PEER)
+
+
+def test_a_claim_older_than_the_cap_no_longer_holds_anyone_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(weights_plan, "CLAIM_MAX_S", 0.2)
+    plan = plan_of(1)
+    plan.update_peer(PEER, False, set(), {0})
+    started = time.monotonic()
+    assert take_within(plan, 2.0) == (0, None)  # the peer's fetch stalled: fetch it ourselves
+    assert time.monotonic() - started >= 0.15
+
+
+def test_a_silent_peer_s_claims_lapse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weights_plan, "CLAIM_FRESH_S", 0.2)
+    plan = plan_of(1)
+    plan.update_peer(PEER, False, set(), {0})  # and then it never answers again
+    assert take_within(plan, 2.0) == (0, None)
+
+
+def test_a_claim_renewed_by_each_answer_keeps_its_first_age(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(weights_plan, "CLAIM_MAX_S", 0.4)
+    plan = plan_of(1)
+    plan.update_peer(PEER, False, set(), {0})
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:  # a peer that keeps saying "fetching" but never has it
+        plan.update_peer(PEER, False, set(), {0})
+        time.sleep(0.05)
+    assert take_within(plan, 0.2) == (0, None)
+
+
+def test_a_dead_peer_s_claims_count_for_nothing() -> None:
+    plan = plan_of(2)
+    plan.update_peer(PEER, False, {1}, {0})
+    assert take_within(plan, 1.0) == (1, PEER)
+    plan.peer_failed(PEER, 1, why="connection refused")
+    first = take_within(plan, 1.0)
+    assert first is not None and first[1] is None
