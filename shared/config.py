@@ -46,7 +46,8 @@ def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0
     return value
 
 
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    """An integer setting: ``default`` when unset; a ConfigError naming it when bad."""
     raw = env.get(name, "")
     if not raw:
         return default
@@ -95,9 +96,9 @@ class Common:
             weights_url=_url(env, "RLBOOST_WEIGHTS_URL", "http://127.0.0.1:8001", _HTTP),
             api_token=env.get("RLBOOST_API_TOKEN") or None,
             weights_token=env.get("RLBOOST_WEIGHTS_TOKEN") or env.get("RLBOOST_API_TOKEN") or None,
-            torch_threads=_int(env, "RLBOOST_TORCH_THREADS", 0, 0) or None,
+            torch_threads=env_int(env, "RLBOOST_TORCH_THREADS", 0, 0) or None,
             metrics_addr=env.get("RLBOOST_METRICS_ADDR") or "127.0.0.1",
-            metrics_port=_int(env, "RLBOOST_METRICS_PORT", 0, 0),
+            metrics_port=env_int(env, "RLBOOST_METRICS_PORT", 0, 0),
             emu_time_scale=_float(env, "RLBOOST_EMU_TIME_SCALE", 1.0, 0.0),
             data_dir=Path(env.get("RLBOOST_DATA_DIR") or "./data").resolve(),
             log_level=(env.get("RLBOOST_LOG_LEVEL") or "INFO").upper(),
@@ -133,7 +134,7 @@ class ManagerConfig:
             instance_ttl_s=_float(env, "RLBOOST_INSTANCE_TTL_S", 3.0, 0.2),
             dispatch_interval_s=_float(env, "RLBOOST_DISPATCH_INTERVAL_S", 0.05, 0.001),
             migration=_choice(env, "RLBOOST_MIGRATION", "token", ("token", "request")),
-            rebalance_skew=_int(env, "RLBOOST_REBALANCE_SKEW", 2, 0),
+            rebalance_skew=env_int(env, "RLBOOST_REBALANCE_SKEW", 2, 0),
             midstep_join=_choice(env, "RLBOOST_MIDSTEP_JOIN", "on", ("on", "off")) == "on",
         )
 
@@ -175,13 +176,13 @@ class RolloutConfig:
             kind=cast(Literal["reserved", "spot"], kind),
             instance_id=instance_id,
             heartbeat_s=_float(env, "RLBOOST_HEARTBEAT_S", 0.5, 0.05),
-            chunk_tokens=_int(env, "RLBOOST_CHUNK_TOKENS", 4, 1),
-            max_batch=_int(env, "RLBOOST_MAX_BATCH", 32, 1),
+            chunk_tokens=env_int(env, "RLBOOST_CHUNK_TOKENS", 4, 1),
+            max_batch=env_int(env, "RLBOOST_MAX_BATCH", 32, 1),
             grace_s=_float(env, "RLBOOST_GRACE_S", 30.0, 0.0),
             notice=_choice(env, "RLBOOST_PREEMPTION_NOTICE", "off", ("off", "aws", "gcp")),
             metadata_url=env.get("RLBOOST_METADATA_URL") or None,
             notice_poll_s=_float(env, "RLBOOST_NOTICE_POLL_S", 5.0, 0.05),
-            instances=_int(env, "RLBOOST_EMU_INSTANCES", 1, 1),
+            instances=env_int(env, "RLBOOST_EMU_INSTANCES", 1, 1),
             emu_model=env.get("RLBOOST_EMU_MODEL") or "emu-8b",
             sglang_url=_url(env, "RLBOOST_SGLANG_URL", "", _HTTP)
             if env.get("RLBOOST_SGLANG_URL") else None,
@@ -217,6 +218,6 @@ class WeightsConfig:
         common = Common.from_env(env)
         return cls(
             common=common,
-            keep_last=_int(env, "RLBOOST_WEIGHTS_KEEP", 3, 1),
+            keep_last=env_int(env, "RLBOOST_WEIGHTS_KEEP", 3, 1),
             token=common.weights_token,
         )

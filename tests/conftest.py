@@ -38,6 +38,17 @@ def start_cluster(root: Path, stack: Stack, env: dict[str, str] | None = None,
     return cluster
 
 
+@pytest.fixture
+def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
+    """The default small cluster: 2 spot and 1 reserved rollout instances, torch engine.
+    Test modules that need another shape define their own ``cluster``."""
+    c = start_cluster(tmp_path, brokers, spot=2, reserved=1)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
 def wait_run(client: httpx.Client, run_id: str, timeout_s: float, cluster: Cluster | None = None
              ) -> dict[str, Any]:
     end = time.monotonic() + timeout_s

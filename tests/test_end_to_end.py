@@ -7,28 +7,14 @@ and a barrier digest the trainer verified (a mismatch fails the run).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
-import pytest
 
 from rlboost.launcher import Cluster
-from shared.stack import Stack
-from tests.conftest import start_cluster, wait_run
+from tests.conftest import wait_run
 from tests.invariants import check_run, step_records
 
 SPEC = {"steps": 3, "prompts_per_step": 4, "samples_per_prompt": 4, "seed": 11,
         "max_new_tokens": 8}
-
-
-@pytest.fixture
-def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
-    c = start_cluster(tmp_path, brokers, spot=2, reserved=1)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def test_three_step_run_keeps_invariants(cluster: Cluster) -> None:

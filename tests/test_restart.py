@@ -9,28 +9,15 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
 from rlboost.launcher import Child, Cluster
-from shared.stack import Stack
-from tests.conftest import start_cluster, wait_run
+from tests.conftest import wait_run
 from tests.invariants import check_run
 
 SPEC = {"steps": 5, "prompts_per_step": 4, "samples_per_prompt": 4, "seed": 5,
         "max_new_tokens": 8}
-
-
-@pytest.fixture
-def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
-    c = start_cluster(tmp_path, brokers, spot=2, reserved=1)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def child(cluster: Cluster, name: str) -> Child:

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import ConfigError, WeightsError
+from shared.config import env_int
+from shared.errors import WeightsError
 from shared.weights_client import (
     MANIFEST_NAME,
     MAX_VERSION,
@@ -54,19 +55,6 @@ class StoreError(WeightsError):
         self.detail = detail
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = env.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(name, f"expected an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ConfigError(name, f"must be >= {minimum}, got {value}")
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
     """Knobs the shared WeightsConfig does not carry; read from the same environment."""
@@ -80,8 +68,8 @@ class StoreLimits:
     def from_env(cls, env: Mapping[str, str] | None = None) -> StoreLimits:
         env = os.environ if env is None else env
         return cls(
-            chunk_bytes=_env_int(env, "RLBOOST_WEIGHTS_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, 1),
-            max_file_bytes=_env_int(
+            chunk_bytes=env_int(env, "RLBOOST_WEIGHTS_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, 1),
+            max_file_bytes=env_int(
                 env, "RLBOOST_WEIGHTS_MAX_FILE_BYTES", DEFAULT_MAX_FILE_BYTES, 1
             ),
         )
