@@ -122,11 +122,10 @@ def outcome(policy: Policy, setup: Setup, records: list[dict[str, Any]], player:
     if not steps:
         raise RuntimeError(f"{policy.name}: no step finished inside the measured window")
     start, end = steps[0]["started_at"], steps[-1]["finished_at"]
-    for s in steps:  # emulated clock, for the plot
+    for s in steps:  # every duration in emulated seconds; times from the window's start
         s["started_at_emu"] = (s["started_at"] - start) / scale
         s["finished_at_emu"] = (s["finished_at"] - start) / scale
-        s["step_s_emu"] = s["step_s"] / scale
-        for key in ("step_s", "trainer_idle_s"):
+        for key in [k for k in s if k.endswith("_s") and isinstance(s[k], int | float)]:
             s[key] = s[key] / scale
     window = (end - start) / scale
     spot_gpu_s = player.gpu_seconds(start, end, gpus) / scale if policy.spot else 0.0
@@ -184,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         p for p in POLICIES if p.name[1:].split(")")[0] in args.policies.split(",")]
     title = (f"EMULATION: {args.model} on H100 (modelled), {args.reserved_gpus} reserved GPUs, "
              f"spot = {args.trace} trace x{args.count_scale} "
-             f"[{args.segment_start:.0f}s +{args.segment:.0f}s, /{args.compress:.0f}]")
+             f"[{args.segment_start:.0f}s +{args.segment:.0f}s, /{args.compress:.0f}], "
+             f"mean {setup.trace.mean():.1f} spot instances")
     print(title, flush=True)
     print(f"trainer: {PRESETS[args.model].seconds_per_token * 1e6:.1f} us/token on "
           f"{PRESETS[args.model].gpus} GPUs; serving: {serving_model(args.model)}", flush=True)

@@ -108,7 +108,7 @@ def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
     for o in outcomes:
         t0 = o.steps[0]["started_at_emu"] if o.steps else 0.0
         xs = [s["finished_at_emu"] - t0 for s in o.steps]
-        ys = [s["tokens"] / s["step_s_emu"] for s in o.steps]
+        ys = [s["tokens"] / s["step_s"] for s in o.steps]
         top.step(xs, ys, where="pre", label=o.policy)
     top.set_ylabel("trained tokens/s (per step)")
     top.set_title(title, fontsize=10)
