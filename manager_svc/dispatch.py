@@ -55,7 +55,7 @@ class Dispatch:
         raise NotImplementedError  # provided by ManagerService
 
     async def _barrier(self, run_id: str, step: int) -> None:
-        raise NotImplementedError  # provided by ManagerService
+        raise NotImplementedError  # provided by ChunkIngest
 
     async def _count_preemption(self, responses: int) -> None:
         raise NotImplementedError  # provided by ManagerService

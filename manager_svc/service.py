@@ -21,12 +21,11 @@ import msgspec
 import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg as NatsMsg
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig
 from redis.exceptions import RedisError
 
 from manager_svc.accounting import Ledger
 from manager_svc.dispatch import Dispatch
+from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.trainer_api import TrainerProtocol
@@ -36,10 +35,7 @@ from shared.config import ManagerConfig
 from shared.errors import ProtocolError
 from shared.names import Keys
 from shared.protocol import (
-    MESSAGE_BUDGET,
     Ack,
-    Barrier,
-    GroupDone,
     Heartbeat,
     HeartbeatReply,
     Release,
@@ -48,11 +44,9 @@ from shared.protocol import (
     StepSamplesQuery,
     StepStart,
     Target,
-    TokenChunk,
     TrainerPoll,
     decode,
     encode,
-    sample_digest,
 )
 
 log = logging.getLogger("manager")
@@ -61,9 +55,6 @@ M = TypeVar("M", bound=msgspec.Struct)
 LOST_ASSIGNMENT_S = 1.5
 # How long a release waits for the leaving instance's last chunks to be committed.
 RELEASE_COMMIT_WAIT_S = 3.0
-# Chunks pulled, committed in one Redis round trip (one AOF fsync) and acked together.
-FETCH_BATCH, FETCH_WAIT_S = 512, 0.5
-PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 # How long a released session stays barred: far longer than any beat can sit in flight.
 DEPARTED_TTL_MS = 60_000
 
@@ -83,7 +74,7 @@ return redis.call('SMEMBERS', KEYS[3])
 """
 
 
-class ManagerService(Dispatch, TrainerProtocol):
+class ManagerService(ChunkIngest, Dispatch, TrainerProtocol):
     def __init__(self, cfg: ManagerConfig) -> None:
         self.cfg = cfg
         self.metrics = ManagerMetrics()
@@ -311,94 +302,3 @@ class ManagerService(Dispatch, TrainerProtocol):
                 "joined_at": float(info.get("joined_at", 0)),
             })
         return out
-
-    # --- chunks and the barrier ------------------------------------------------------------
-
-    async def _consume_chunks(self) -> None:
-        """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered
-        into a callback subscription: nats-py's ``fetch`` costs two tasks per message."""
-        await self.nc.jetstream().pull_subscribe(  # creates (or binds to) the durable consumer
-            names.CHUNK_WILDCARD, durable=names.CHUNK_CONSUMER, stream=names.CHUNK_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-                                  max_ack_pending=65536))
-        inbox, arrived, batch = self.nc.new_inbox(), asyncio.Event(), list[NatsMsg]()
-        due = [0, 0.0]  # messages the outstanding request may still bring, and its expiry
-
-        async def on_msg(msg: NatsMsg) -> None:
-            status = JetStreamContext.is_status_msg(msg)
-            if status is None:
-                batch.append(msg)
-                due[0] -= 1
-            elif status != "100":  # 404/408/409 end a request (100 is an idle heartbeat)
-                due[0] = 0
-            arrived.set()
-
-        sub = await self.nc.subscribe(inbox, cb=on_msg)
-        try:
-            while True:  # a request lost to a broker restart never answers: expiry ends it
-                if due[0] <= 0 or time.monotonic() > due[1]:
-                    due[:] = [FETCH_BATCH, time.monotonic() + FETCH_WAIT_S]
-                    await self.nc.publish(PULL_NEXT, reply=inbox, payload=json.dumps(
-                        {"batch": FETCH_BATCH, "expires": int(FETCH_WAIT_S * 1e9)}).encode())
-                if not batch:
-                    arrived.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(arrived.wait(), FETCH_WAIT_S)
-                taken, batch[:] = batch[:], []
-                await self._ingest(taken)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _ingest(self, batch: list[NatsMsg]) -> None:
-        """Commit a batch in stream order in one round trip, send its events, then ack it: a
-        batch is acked only once committed, so after a crash it returns as duplicates."""
-        valid: list[tuple[NatsMsg, TokenChunk]] = []
-        for msg in batch:
-            try:
-                chunk = decode(msg.data, TokenChunk)
-                names.parse_request_id(chunk.request_id)
-            except (ProtocolError, ValueError) as exc:
-                self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
-                log.warning("dropped chunk: %s", exc)
-                await msg.term()
-            else:
-                valid.append((msg, chunk))
-        results = await self.ledger.commit_many([c for _, c in valid], wait_for_redis=True)
-        for (_, chunk), result in zip(valid, results, strict=True):
-            self.metrics.chunks.labels(result.status).inc()
-            if result.status in ("ok", "final", "group", "step"):
-                self.metrics.tokens.inc(len(chunk.token_ids))
-            elif result.status in ("gap", "wrong_version", "overlong"):
-                self.metrics.revocations.labels(result.status).inc()
-                log.info("chunk of %s from %s: %s; taken back", chunk.request_id,
-                         chunk.instance_id, result.status)
-                self._wake.set()
-            if result.status in ("group", "step"):
-                run_id, step, prompt, _ = names.parse_request_id(chunk.request_id)
-                spec = (await self.runs.get(run_id) or {}).get("spec", {})
-                samples = await self.ledger.group_samples(
-                    run_id, step, prompt, int(spec.get("samples_per_prompt", 1)))
-                event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt,
-                                         samples=samples))
-                if len(event) > MESSAGE_BUDGET:  # the trainer pages it in after the barrier
-                    event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt))
-                await self.nc.publish(names.group_subject(run_id), event)
-                if result.status == "step":
-                    await self._barrier(run_id, step)
-        for msg, _ in valid:
-            await msg.ack()
-
-    async def _barrier(self, run_id: str, step: int) -> None:
-        """Every response of the step is complete, once: freeze the digest and announce it."""
-        samples = await self.ledger.done_samples(run_id, step)
-        digest = sample_digest(samples)
-        await self.redis.hset(Keys.step(run_id, step), mapping={
-            "state": "training", "rollout_done_at": time.time(),
-            "digest": msgspec.json.encode(digest).decode(),
-        })
-        log.info("barrier %s step %d: %d responses, %d tokens", run_id, step,
-                 digest.responses, digest.tokens)
-        await self.nc.publish(names.barrier_subject(run_id),
-                              encode(Barrier(run_id=run_id, step=step, digest=digest)))
-
