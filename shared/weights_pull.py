@@ -43,7 +43,7 @@ from shared.weights_plan import Plan
 log = logging.getLogger(__name__)
 
 CHUNK_TRIES = 4  # one download and three refetches before a chunk is declared corrupt
-POLL_S = 0.2  # how often a puller asks its peers which chunks they hold
+POLL_S = 0.5  # how often a puller asks its peers which chunks they hold
 PEERS_LIST_S = 1.0  # how often it asks the service who the peers are
 PEER_TIMEOUT_S = 10.0
 FIRST_POLL_S = 2.0  # the longest a pull waits to hear which chunks existing peers hold

@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from shared import weights_plan
 from shared.errors import WeightsError
 from shared.weights_client import list_peers, pin_version, pull_version, upload_version
 from shared.weights_peer import PeerServer
@@ -82,6 +84,29 @@ async def test_joiner_takes_chunks_from_a_peer(
     from_service = bytes_served(service.url) - before
     assert from_service <= total // 4, from_service  # the rest came from the peer
     assert peer_a.bytes_served >= total - from_service
+
+
+async def test_a_peer_that_claims_chunks_and_never_delivers_delays_a_joiner_only_briefly(
+    service: ServiceProcess, peer_a: PeerServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(weights_plan, "CLAIM_MAX_S", 1.5)
+    model = make_model(tmp_path / "model", 1_000_000)
+    manifest = await upload_version(service.url, TOKEN, "stall", 1, model)
+    total = sum(f["size"] for f in manifest["files"])
+    every = list(range(sum(len(f["chunks"]) for f in manifest["files"])))
+    # A joiner stuck mid-pull: it says it is fetching every chunk and holds none.
+    (tmp_path / "stuck").mkdir()
+    peer_a.offer("stall", 1, manifest, tmp_path / "stuck", set(), lambda: every)
+    peer_a.advertise(service.url, "stall", 1)
+    while await list_peers(service.url, TOKEN, "stall", 1) != [peer_a.url]:
+        await asyncio.sleep(0.05)
+    before, started = bytes_served(service.url), time.monotonic()
+    out = await asyncio.wait_for(  # claims that never lapse would hold it back for good
+        pull_version(service.url, TOKEN, "stall", 1, tmp_path / "b", peers=True), 20)
+    elapsed = time.monotonic() - started
+    assert_same_files(model, out)
+    assert bytes_served(service.url) - before == total  # all of it from the service, once
+    assert 1.2 <= elapsed < 10, elapsed  # it waited for the claims, and only until they lapsed
 
 
 async def test_peer_with_bad_bytes_is_dropped(
