@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 PEER_CAP = 2  # chunks in flight per peer per puller: spreads load over peers
 WAIT_S = 0.05  # how long an idle worker sleeps before it looks for work again
 DISCOVERY_S = 1.5  # time for a joiner to learn of peers that started with it
-CLAIM_FRESH_S = 1.0  # a peer's "fetching" list counts while its last answer is this recent
+CLAIM_FRESH_S = 2.0  # a peer's "fetching" list counts while its last answer is this recent
 CLAIM_MAX_S = 5.0  # longer than a 64 MiB chunk takes from a busy service by a wide margin
 
 
