@@ -168,10 +168,14 @@ class PeerServer:
             return {"complete": True, "chunks": []}
         with self._lock:
             offer = self._offers.get((run_id, version))
-            if offer is None:
-                raise RangeError(404, f"{run_id}/{version} is not held here")
+        if offer is None:
+            raise RangeError(404, f"{run_id}/{version} is not held here")
+        # Fetching first: a chunk is recorded done before it leaves the fetching list, so read
+        # in this order it is in at least one of them, never missing from both.
+        fetching = offer.fetching()
+        with self._lock:
             chunks = sorted(offer.done)
-        return {"complete": False, "chunks": chunks, "fetching": offer.fetching()}
+        return {"complete": False, "chunks": chunks, "fetching": fetching}
 
     # --- registration with the service --------------------------------------------------------
 

@@ -5,10 +5,12 @@ source to fetch it from (a peer URL, or None for the service), and blocks while 
 started; it returns None once every chunk is taken or the plan is stopped. Policy, and why:
 1. A chunk some live peer holds goes to the least busy such peer (at most ``PEER_CAP`` chunks in
    flight per peer): every byte a peer serves is a byte the service does not.
-2. Otherwise the service gets the next missing chunk in this puller's own order, a rotation that
-   starts at a random chunk, or with peers in play a random missing chunk: joiners that start
-   together then fetch *different* chunks from the service and swap them through rule 1, so the
-   service sends about one copy, not one per joiner.
+2. Otherwise the service gets a missing chunk that no live peer holds or is fetching: with
+   ``peers=True`` a random one, else the next in this puller's order (a rotation from a random
+   start). Joiners that start together thus fetch *different* chunks from the service and swap
+   them through rule 1, so the service sends about one copy, not one per joiner; random rather
+   than a rotation because joiners walking their rotations at the same pace keep reaching the
+   same next chunk within one poll of each other, before either's claim can be seen.
    With peers in play (``peers=True`` and a live peer known, or the first ``DISCOVERY_S`` of the
    pull, before the peer list can have arrived) a puller keeps only one chunk in flight from the
    service, so its other workers wait for peers rather than race them to the service; alone, it
@@ -52,7 +54,6 @@ class Plan:
         self.inflight: set[int] = set()
         self._cursor = 0
         self._rng = random.Random()  # seeded from the OS: joiners must not share a sequence
-        self._retry: list[int] = []  # given back after the cursor passed them
         self.have: dict[str, set[int]] = {}
         self.complete: set[str] = set()  # peers holding the whole version
         self.coming: dict[str, set[int]] = {}  # what each peer is fetching from the service
@@ -105,20 +106,13 @@ class Plan:
             return None
         held = set().union(*(self.have[u] for u in alive), self._claimed(alive))
         held -= self.service_only
-        if self.peers:
-            # A random missing chunk, not the next in the rotation: joiners walking their
-            # rotations at the same pace keep reaching the same next chunk within one poll of
-            # each other, before either's claim can be seen.
+        if self.peers:  # rule 2: at random
             free = sorted(self.pending - held)
             return (self._rng.choice(free), None) if free else None
-        for index in self._retry:
-            if index in self.pending and index not in held:
-                self._retry.remove(index)
-                return index, None
         while self._cursor < len(self.order):
             index = self.order[self._cursor]
             if index not in self.pending:
-                self._cursor += 1  # done or in flight: passed for good (a give-back is a retry)
+                self._cursor += 1  # done or in flight: passed for good
             elif index in held:
                 break  # its turn comes when its peer has room, or when the peer is gone
             else:
@@ -165,8 +159,7 @@ class Plan:
         with self._cond:
             self.inflight.discard(index)
             self.load[url] -= 1
-            self.pending.add(index)
-            self._retry.append(index)
+            self.pending.add(index)  # only pulls with peers get here: they pick at random
             if missing:
                 self.have.get(url, set()).discard(index)
                 self.complete.discard(url)

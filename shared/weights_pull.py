@@ -8,10 +8,12 @@ Contract of :func:`pull_version` (re-exported by :mod:`shared.weights_client`):
   of a given version into a given ``dest_root`` at a time.
 - Chunks come from the service's sendfile data plane (or its REST API if it advertises none) and,
   with ``peers=True``, from peers the service lists. Peer chunks are preferred; the service gets a
-  chunk no live peer has, in an order that starts at a random chunk, so joiners that start together
-  fetch different chunks from the service and then exchange them (chunk-level availability: a peer
-  advertises the chunks it has verified so far). A peer that fails is dropped and its chunk fetched
-  elsewhere; a chunk a peer served with bad bytes is refetched from the service only.
+  chunk no live peer has or is fetching, chosen at random (alone: in an order that starts at a
+  random chunk), so joiners that start together fetch different chunks from the service and then
+  exchange them (chunk-level availability: a peer advertises the chunks it has verified so far and
+  those it is fetching from the service; see :mod:`shared.weights_plan`). A peer that fails is
+  dropped and its chunk fetched elsewhere; a chunk a peer served with bad bytes is refetched from
+  the service only.
 - With ``serve`` (a running :class:`PeerServer`), this pull's verified chunks are offered to others
   while it runs, and the version is advertised to the service as long as it stays on disk.
 - A service outage is ridden out (retries with backoff) until ``timeout_s`` pass without a
@@ -139,35 +141,50 @@ def _work(plan: Plan, partial: Partial, svc: _Service, run_id: str, version: int
 
 async def _poll_peers(plan: Plan, session: Session, run_id: str, version: int,
                       own_url: str | None, token: str | None, first: asyncio.Event) -> None:
-    """Keep the plan's view of who holds which chunk fresh; errors only make a peer look empty."""
+    """Keep the plan's view of who holds which chunk fresh; errors only make a peer look empty.
+
+    Each peer is polled by its own task: in one shared round a peer that has vanished (its entry
+    outlives it at the service for up to a minute) would hold every answer back until its
+    connection timed out, and the healthy peers' claims would lapse meanwhile."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    peers: list[str] = []
-    listed_at = 0.0
+    watchers: dict[str, asyncio.Task[None]] = {}
+
     async with httpx.AsyncClient(headers=headers, timeout=2.0) as client:
-        while True:
-            if time.monotonic() - listed_at > PEERS_LIST_S:
-                listed_at = time.monotonic()
+
+        async def ask(url: str) -> None:
+            try:
+                r = await client.get(f"{url}{PEER_PREFIX}/{run_id}/{version}/have")
+                r.raise_for_status()
+                have = r.json()
+                plan.update_peer(url, bool(have["complete"]), {int(i) for i in have["chunks"]},
+                                 {int(i) for i in have.get("fetching", [])})
+            except httpx.HTTPStatusError:
+                plan.update_peer(url, False, set())  # it answered: it holds nothing (now)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass  # slow or gone: its claims lapse; a failed fetch from it drops it
+
+        async def watch(url: str) -> None:
+            while plan.worth_asking(url):
+                await asyncio.sleep(POLL_S)
+                await ask(url)
+
+        try:
+            while True:
                 try:
                     reply = await session.json("GET", f"/v1/weights/{run_id}/{version}/peers")
-                    peers = [u for u in reply["peers"] if isinstance(u, str) and u != own_url]
+                    listed = [u for u in reply["peers"] if isinstance(u, str) and u != own_url]
                 except (WeightsError, KeyError, TypeError):
-                    pass
-
-            async def ask(url: str) -> None:
-                try:
-                    r = await client.get(f"{url}{PEER_PREFIX}/{run_id}/{version}/have")
-                    r.raise_for_status()
-                    have = r.json()
-                    plan.update_peer(url, bool(have["complete"]), {int(i) for i in have["chunks"]},
-                                     {int(i) for i in have.get("fetching", [])})
-                except httpx.HTTPStatusError:
-                    plan.update_peer(url, False, set())  # it answered: it holds nothing (now)
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                    pass  # slow or busy: keep what it said last; a failed fetch drops it
-
-            await asyncio.gather(*(ask(u) for u in peers if plan.worth_asking(u)))
-            first.set()
-            await asyncio.sleep(POLL_S)
+                    listed = []
+                new = [u for u in listed if u not in watchers and plan.worth_asking(u)]
+                await asyncio.gather(*(ask(u) for u in new))
+                for url in new:
+                    watchers[url] = asyncio.create_task(watch(url))
+                first.set()
+                await asyncio.sleep(PEERS_LIST_S)
+        finally:
+            for task in watchers.values():
+                task.cancel()
+            await asyncio.gather(*watchers.values(), return_exceptions=True)
 
 
 def _join_all(threads: list[threading.Thread]) -> None:
