@@ -115,6 +115,11 @@ def run_policy(policy: Policy, setup: Setup, root: Path) -> paper_report.Outcome
     return outcome(policy, setup, records, player, serving.gpus, begin, deadline)
 
 
+# The step record's durations (manager_svc/trainer_api.py), measured in wall seconds.
+DURATIONS = ("step_s", "rollout_s", "train_s", "trainer_idle_s", "rollout_idle_s",
+             "seeding_window_s")
+
+
 def outcome(policy: Policy, setup: Setup, records: list[dict[str, Any]], player: TracePlayer,
             gpus: int, begin: float, deadline: float) -> paper_report.Outcome:
     scale = setup.time_scale
@@ -125,8 +130,9 @@ def outcome(policy: Policy, setup: Setup, records: list[dict[str, Any]], player:
     for s in steps:  # every duration in emulated seconds; times from the window's start
         s["started_at_emu"] = (s["started_at"] - start) / scale
         s["finished_at_emu"] = (s["finished_at"] - start) / scale
-        for key in [k for k in s if k.endswith("_s") and isinstance(s[k], int | float)]:
-            s[key] = s[key] / scale
+        for key in DURATIONS:
+            if key in s:
+                s[key] = s[key] / scale
     window = (end - start) / scale
     spot_gpu_s = player.gpu_seconds(start, end, gpus) / scale if policy.spot else 0.0
     history = [((t - start) / scale, c) for t, c in player.history if t >= begin]
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"EMULATION: {args.model} on H100 (modelled), {args.reserved_gpus} reserved GPUs, "
              f"spot = {args.trace} trace x{args.count_scale} "
              f"[{args.segment_start:.0f}s +{args.segment:.0f}s, /{args.compress:.0f}], "
-             f"mean {setup.trace.mean():.1f} spot instances")
+             f"{setup.trace.mean():.1f} spot instances on average over the segment")
     print(title, flush=True)
     print(f"trainer: {PRESETS[args.model].seconds_per_token * 1e6:.1f} us/token on "
           f"{PRESETS[args.model].gpus} GPUs; serving: {serving_model(args.model)}", flush=True)
