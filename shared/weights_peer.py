@@ -15,17 +15,27 @@ RLBOOST_PEER_PORT (default any free port), and announces itself to the weight se
 (``POST /v1/weights/<run>/<version>/peers``) for every version it serves, refreshing every
 ``REFRESH_S`` (the service forgets a peer after 60 s) until the version is gone from disk.
 
+The address it announces: RLBOOST_PEER_URL when set (``http://host:port``, e.g. the machine's
+address where a container's port is published); else, bound to a wildcard (0.0.0.0), the local
+address this host reaches the weight service from, which its neighbours can reach too; else the
+bound address. A loopback address is announced only to a weight service on loopback: to any
+other, peers on other machines (or in other containers) could not connect to it, so fan-out is
+off for that instance and its joiners simply fetch from the service.
+
 Peers are never trusted: the puller verifies every chunk against the service's manifest.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -51,9 +61,50 @@ class _Offer:
     fetching: Callable[[], list[int]]  # chunks the pull has in flight from the service
 
 
+WILDCARDS = ("0.0.0.0", "")  # the chunk server is IPv4 (http.server's default)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def route_ip(url: str) -> str:
+    """The local address this host sends from towards ``url``'s host (no packet is sent)."""
+    parts = urlsplit(url)
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(
+            parts.hostname or "127.0.0.1", parts.port or 80, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"  # no route: announced to nobody but a service on loopback
+
+
+def check_url(url: str, name: str) -> None:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ConfigError(name, f"expected http://host:port, got {url[:100]!r}")
+
+
 class PeerServer:
     def __init__(
-        self, weights_dir: Path, token: str | None, host: str = "127.0.0.1", port: int = 0
+        self, weights_dir: Path, token: str | None, host: str = "127.0.0.1", port: int = 0,
+        advertise: str | None = None,
     ) -> None:
         self.weights_dir = weights_dir
         self.token = token
@@ -69,7 +120,10 @@ class PeerServer:
             host, port, PEER_PREFIX, self._resolve, token, self._count,
             json_hook=self._json, range_hook=self._check_range,
         )
-        self.url = f"http://{host}:{self.server.port}"
+        self.url = advertise or f"http://{_url_host(host)}:{self.server.port}"
+        self._wildcard = host in WILDCARDS
+        self._explicit = advertise is not None
+        self._refused: set[str] = set()  # services told nothing: our URL is loopback to them
 
     @classmethod
     def from_env(
@@ -79,7 +133,11 @@ class PeerServer:
         port = env.get("RLBOOST_PEER_PORT", "") or "0"
         if not port.isdigit() or int(port) > 65535:
             raise ConfigError("RLBOOST_PEER_PORT", f"expected a port 0..65535, got {port!r}")
-        return cls(weights_dir, token, env.get("RLBOOST_PEER_ADDR") or "127.0.0.1", int(port))
+        advertise = env.get("RLBOOST_PEER_URL") or None
+        if advertise is not None:
+            check_url(advertise, "RLBOOST_PEER_URL")
+        return cls(weights_dir, token, env.get("RLBOOST_PEER_ADDR") or "127.0.0.1", int(port),
+                   advertise)
 
     def start(self) -> None:
         self.server.start()
@@ -111,8 +169,26 @@ class PeerServer:
         with self._lock:
             self._offers.pop((run_id, version), None)
 
+    def url_for(self, service_url: str) -> str | None:
+        """The URL to announce to ``service_url``; None where peers could not reach it."""
+        url = self.url
+        if self._wildcard and not self._explicit:
+            url = f"http://{_url_host(route_ip(service_url))}:{self.server.port}"
+        if _is_loopback(url) and not _is_loopback(service_url):
+            with self._lock:
+                first = service_url not in self._refused
+                self._refused.add(service_url)
+            if first:
+                log.info("peer fan-out off towards %s: this instance would be announced as %s, "
+                         "which other machines cannot reach (set RLBOOST_PEER_ADDR=0.0.0.0 or "
+                         "RLBOOST_PEER_URL)", service_url, url)
+            return None
+        return url
+
     def advertise(self, service_url: str, run_id: str, version: int) -> None:
         """Register with the service now (in the background) and keep the entry fresh."""
+        if self.url_for(service_url) is None:
+            return
         with self._lock:
             self._adverts[(service_url, run_id, version)] = None
         self._wake.set()
@@ -199,7 +275,8 @@ class PeerServer:
                         continue
                     url = f"{service_url}/v1/weights/{run_id}/{version}/peers"
                     try:  # best effort: an unregistered peer costs egress, not correctness
-                        client.post(url, json={"url": self.url}).raise_for_status()
+                        if (mine := self.url_for(service_url)) is not None:
+                            client.post(url, json={"url": mine}).raise_for_status()
                     except httpx.HTTPError as exc:
                         log.info("registering as a peer of %s/%d failed: %s", run_id, version, exc)
                 self._wake.wait(REFRESH_S)

@@ -278,7 +278,7 @@ async def pull_version(
                 serve.advertise(base_url, run_id, version)
             poller = None
             if peers:
-                own = serve.url if serve is not None else None
+                own = serve.url_for(base_url) if serve is not None else None
                 first = asyncio.Event()
                 poll = _poll_peers(plan, session, run_id, version, own, token, first)
                 poller = asyncio.create_task(poll)

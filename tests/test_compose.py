@@ -140,6 +140,27 @@ def test_spot_dials_only_what_reserved_publishes() -> None:
     assert "RLBOOST_REDIS_URL" not in env and "RLBOOST_API_TOKEN" not in env
 
 
+def test_spot_peers_override_publishes_the_chunk_server_it_announces() -> None:
+    with pytest.raises(Missing, match="SPOT_HOST"):
+        load("spot-peers.yml", ENV)
+    rollout = load("spot-peers.yml", {**ENV, "SPOT_HOST": "10.0.0.9"})["services"]["rollout"]
+    env = environment(rollout)
+    assert set(env) <= known_names()
+    assert env["RLBOOST_PEER_URL"] == "http://10.0.0.9:8003"
+    assert rollout["ports"] == [f"{env['RLBOOST_PEER_PORT']}:8003"] == ["8003:8003"]
+    assert env["RLBOOST_PEER_ADDR"] == "0.0.0.0"  # reachable through the published port
+    dev = environment(load("docker-compose.yml", ENV)["services"]["rollout"])
+    assert dev["RLBOOST_PEER_ADDR"] == "0.0.0.0"  # replicas reach each other on the network
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    if probe.returncode == 0:
+        done = subprocess.run(
+            ["docker", "compose", "-f", str(COMPOSE / "spot.yml"), "-f",
+             str(COMPOSE / "spot-peers.yml"), "config", "-q"],
+            env={**os.environ, **ENV, "SPOT_HOST": "10.0.0.9"}, capture_output=True, text=True,
+            check=False)
+        assert done.returncode == 0, done.stderr
+
+
 def test_docker_compose_config_accepts_each_file() -> None:
     """Every file interpolates to services with a command; where the docker client has the
     compose plugin, ``docker compose config`` must accept it too."""
@@ -204,7 +225,7 @@ class Deployment:
             assert argv[0] in ("python", "python3"), argv
             argv[0] = sys.executable
             env.update(RLBOOST_DATA_DIR=str(data), RLBOOST_METRICS_PORT="0",
-                       RLBOOST_WEIGHTS_DATA_PORT="0",
+                       RLBOOST_WEIGHTS_DATA_PORT="0", RLBOOST_PEER_PORT="0",
                        RLBOOST_EMU_TIME_SCALE="0", RLBOOST_TORCH_THREADS="1",
                        RLBOOST_PARENT_PID=str(os.getpid()))
         child = Child(name, argv, env, self.root / "logs" / f"{name}.log")
@@ -290,3 +311,5 @@ def test_skypilot_task_is_a_recovering_spot_worker_pointing_at_reserved() -> Non
     for var in ("RLBOOST_NATS_URL", "RLBOOST_WEIGHTS_URL"):
         assert f"export {var}=" in task["run"] and "${RESERVED_HOST}" in task["run"]
     assert "exec python3 -m rollout_svc" in task["run"]
+    assert task["envs"]["RLBOOST_PEER_ADDR"] == "0.0.0.0"  # announces the VM's own address
+    assert str(resources["ports"]) == task["envs"]["RLBOOST_PEER_PORT"]

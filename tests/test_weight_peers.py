@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from shared import weights_plan
-from shared.errors import WeightsError
+from shared.errors import ConfigError, WeightsError
 from shared.weights_client import list_peers, pin_version, pull_version, upload_version
 from shared.weights_peer import PeerServer
 from tests.test_weight_svc import REPO, Serve, ServiceProcess, publish, serve  # noqa: F401
@@ -107,6 +107,48 @@ async def test_a_peer_that_claims_chunks_and_never_delivers_delays_a_joiner_only
     assert_same_files(model, out)
     assert bytes_served(service.url) - before == total  # all of it from the service, once
     assert 1.2 <= elapsed < 10, elapsed  # it waited for the claims, and only until they lapsed
+
+
+async def test_a_peer_bound_to_every_address_announces_one_its_neighbours_can_reach(
+    service: ServiceProcess, tmp_path: Path
+) -> None:
+    model = make_model(tmp_path / "model", 1_000_000)
+    await upload_version(service.url, TOKEN, "wild", 1, model)
+    peer = PeerServer.from_env(tmp_path / "a", TOKEN, {"RLBOOST_PEER_ADDR": "0.0.0.0"})
+    peer.start()
+    try:
+        own = f"http://127.0.0.1:{peer.server.port}"  # the route to a service on loopback
+        assert peer.url_for(service.url) == own
+        await pull_version(service.url, TOKEN, "wild", 1, tmp_path / "a", serve=peer)
+        while await list_peers(service.url, TOKEN, "wild", 1) != [own]:
+            await asyncio.sleep(0.05)
+        before = bytes_served(service.url)
+        out = await pull_version(service.url, TOKEN, "wild", 1, tmp_path / "b", peers=True)
+        assert_same_files(model, out)
+        assert bytes_served(service.url) - before <= 1_000_000 // 4  # the rest from the peer
+    finally:
+        peer.close()
+
+
+def test_where_a_peer_is_announced(tmp_path: Path) -> None:
+    local = PeerServer(tmp_path / "a", TOKEN)  # 127.0.0.1
+    try:
+        assert local.url_for("http://127.0.0.1:8001") == local.url
+        # Loopback means nothing to a service (and its joiners) on another machine: stay quiet.
+        assert local.url_for("http://10.20.30.40:8001") is None
+        local.advertise("http://10.20.30.40:8001", "r", 1)
+        assert not local._adverts
+    finally:
+        local.close()
+    env = {"RLBOOST_PEER_ADDR": "0.0.0.0", "RLBOOST_PEER_URL": "http://spot-7.example:8003"}
+    published = PeerServer.from_env(tmp_path / "b", TOKEN, env)
+    try:
+        assert published.url_for("http://10.20.30.40:8001") == "http://spot-7.example:8003"
+    finally:
+        published.close()
+    for bad in ["ftp://x:1", "http://x", "http://x:1/path", "http://x:99999", "x:1"]:
+        with pytest.raises(ConfigError, match="RLBOOST_PEER_URL"):
+            PeerServer.from_env(tmp_path / "c", TOKEN, {"RLBOOST_PEER_URL": bad})
 
 
 async def test_peer_with_bad_bytes_is_dropped(
