@@ -49,6 +49,11 @@ bench-seeding: venv
 bench-control-plane: venv
 	$(BIN)/python -m benchmarks.control_plane
 
+.PHONY: bench-wan
+# One rollout instance streaming its tokens over an emulated 40 ms link vs the LAN
+bench-wan: venv
+	$(BIN)/python -m benchmarks.wan
+
 .PHONY: bench-paper
 # The paper's comparison, emulated GPU time on the real services; writes docs/results/
 bench-paper: venv

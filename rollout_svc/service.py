@@ -307,9 +307,13 @@ class RolloutService:
                     item.buffer.append(ev.token_id)
                 if ev.finished:
                     item.final, item.finish_reason = True, ev.finish_reason
-            for rid, item in list(self.inflight.items()):
-                if item.final or len(item.buffer) >= self.cfg.chunk_tokens:
-                    await self._publish(rid, item, final=item.final)
+            due = [(rid, item) for rid, item in self.inflight.items()
+                   if item.final or len(item.buffer) >= self.cfg.chunk_tokens]
+            # All at once: one broker round trip per step instead of one per chunk, which on a
+            # WAN link to the reserved side would stall generation for most of each step. A
+            # response still has at most one chunk in flight, so its chunks stay in order.
+            await asyncio.gather(*(self._publish(rid, item, final=item.final)
+                                   for rid, item in due))
 
     async def _publish(self, rid: str, item: InFlight, final: bool) -> bool:
         a = item.assignment
