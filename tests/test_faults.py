@@ -158,8 +158,8 @@ class Injector:
         self.thread.join(timeout=30)
 
 
-# Twelve steps: long enough for the fault budget below at the ingest's current speed.
-SPEC = {"model": "emu", "steps": 12, "prompts_per_step": 8, "samples_per_prompt": 4,
+# Sixteen steps: long enough for the fault budget below now that chunks are committed quickly.
+SPEC = {"model": "emu", "steps": 16, "prompts_per_step": 8, "samples_per_prompt": 4,
         # A short fixed window: seeding hand-offs migrate responses, and spot instances still do
         # most of the work, so preemptions hit busy instances.
         "seeding": {"mode": "fixed", "window_s": 0.5},
