@@ -17,14 +17,8 @@ import math
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
-from nats.aio.client import Client as Nats
-
-from manager_svc.accounting import Ledger
-from manager_svc.metrics import ManagerMetrics
-from manager_svc.runs import RunStore
+from manager_svc.parts import ManagerParts
 from shared import names
-from shared.config import ManagerConfig
 from shared.names import Keys
 from shared.protocol import Assign, Assignment, Handoff, Revoke, encode
 
@@ -35,23 +29,13 @@ ASSIGN_CONCURRENCY = 32  # assignment scripts in flight at once (one Redis conne
 REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
 
 
-class Dispatch:
+class Dispatch(ManagerParts):
     """Dispatch half of :class:`manager_svc.service.ManagerService` (a mixin)."""
 
-    cfg: ManagerConfig
-    metrics: ManagerMetrics
-    redis: aioredis.Redis
-    nc: Nats
-    ledger: Ledger
-    runs: RunStore
-    _wake: asyncio.Event
     _rebalanced: dict[str, float]  # soft state: last rebalance per instance
     _idle_since: dict[str, float]  # soft state: when each instance went idle
 
     async def current_target(self) -> tuple[str, int] | None:
-        raise NotImplementedError  # provided by ManagerService
-
-    async def instances(self) -> list[dict[str, Any]]:
         raise NotImplementedError  # provided by ManagerService
 
     async def _barrier(self, run_id: str, step: int) -> None:

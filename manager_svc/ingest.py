@@ -17,15 +17,11 @@ import logging
 import time
 
 import msgspec
-import redis.asyncio as aioredis
-from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg as NatsMsg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from manager_svc.accounting import Ledger
-from manager_svc.metrics import ManagerMetrics
-from manager_svc.runs import RunStore
+from manager_svc.parts import ManagerParts
 from shared import names
 from shared.errors import ProtocolError
 from shared.names import Keys
@@ -45,15 +41,9 @@ FETCH_BATCH, FETCH_WAIT_S = 512, 0.5
 PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 
 
-class ChunkIngest:
+class ChunkIngest(ManagerParts):
     """Ingest half of :class:`manager_svc.service.ManagerService` (a mixin)."""
 
-    metrics: ManagerMetrics
-    redis: aioredis.Redis
-    nc: Nats
-    ledger: Ledger
-    runs: RunStore
-    _wake: asyncio.Event
 
     async def _consume_chunks(self) -> None:
         """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered

@@ -7,20 +7,14 @@ acknowledged again, and a report whose digest differs from the barrier's fails t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
-from nats.aio.client import Client as Nats
 
-from manager_svc.accounting import Ledger
-from manager_svc.metrics import ManagerMetrics
-from manager_svc.runs import RunStore
+from manager_svc.parts import ManagerParts
 from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
-from shared.config import ManagerConfig
 from shared.names import Keys
 from shared.protocol import (
     MESSAGE_BUDGET,
@@ -43,19 +37,9 @@ LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_
                  "stale_chunks_rejected", "tokens_regenerated")
 
 
-class TrainerProtocol:
+class TrainerProtocol(ManagerParts):
     """Trainer-facing half of :class:`manager_svc.service.ManagerService` (a mixin)."""
 
-    cfg: ManagerConfig
-    metrics: ManagerMetrics
-    redis: aioredis.Redis
-    nc: Nats
-    ledger: Ledger
-    runs: RunStore
-    _wake: asyncio.Event
-
-    async def instances(self) -> list[dict[str, Any]]:
-        raise NotImplementedError  # provided by ManagerService
 
     async def on_poll(self, poll: TrainerPoll) -> ActiveRun:
         run_id = await self.runs.active()
