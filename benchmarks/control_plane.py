@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import secrets
 import signal
@@ -41,7 +40,7 @@ from shared.bus import connect_nats, request
 from shared.config import RolloutConfig
 from shared.errors import RlboostError
 from shared.names import Keys
-from shared.process import exit_on_sigterm
+from shared.process import exit_on_sigterm, wait_event
 from shared.stack import Stack, child_env, free_port
 
 Chunk = tuple[str, int, bool, bytes]  # request id, offset after it, final, encoded TokenChunk
@@ -93,8 +92,7 @@ class Publisher:
                 self.lost += rid not in self.finished and rid in self.held
                 self.finished.pop(rid, None)
                 self.held.pop(rid, None)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+            await wait_event(stop, 0.5)
 
     def messages(self, engine: EmuEngine) -> list[Chunk]:
         """Every chunk of every held response from the oracle, interleaved like a batch."""

@@ -11,7 +11,6 @@ leases give their responses back; an instance idle for a while takes work from t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ from typing import Any
 from manager_svc.parts import ManagerParts
 from shared import names
 from shared.names import Keys
+from shared.process import wait_event
 from shared.protocol import Assign, Assignment, Handoff, Revoke, encode
 
 log = logging.getLogger("manager")
@@ -49,9 +49,8 @@ class Dispatch(ManagerParts):
 
     async def _dispatch_loop(self) -> None:
         last_reap = 0.0
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.cfg.dispatch_interval_s)
+        while not self._stopping:
+            await wait_event(self._wake, self.cfg.dispatch_interval_s)
             self._wake.clear()
             if time.monotonic() - last_reap > min(0.5, self.cfg.instance_ttl_s / 2):
                 last_reap = time.monotonic()

@@ -25,6 +25,7 @@ from manager_svc.parts import ManagerParts
 from shared import names
 from shared.errors import ProtocolError
 from shared.names import Keys
+from shared.process import wait_event
 from shared.protocol import (
     MESSAGE_BUDGET,
     Barrier,
@@ -66,15 +67,15 @@ class ChunkIngest(ManagerParts):
 
         sub = await self.nc.subscribe(inbox, cb=on_msg)
         try:
-            while True:  # a request lost to a broker restart never answers: expiry ends it
+            # A request lost to a broker restart never answers: its expiry ends it.
+            while not self._stopping:
                 if due[0] <= 0 or time.monotonic() > due[1]:
                     due[:] = [FETCH_BATCH, time.monotonic() + FETCH_WAIT_S]
                     await self.nc.publish(PULL_NEXT, reply=inbox, payload=json.dumps(
                         {"batch": FETCH_BATCH, "expires": int(FETCH_WAIT_S * 1e9)}).encode())
                 if not batch:
                     arrived.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(arrived.wait(), FETCH_WAIT_S)
+                    await wait_event(arrived, FETCH_WAIT_S)
                 taken, batch[:] = batch[:], []
                 await self._ingest(taken)
         finally:

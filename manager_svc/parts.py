@@ -27,6 +27,7 @@ class ManagerParts:
     ledger: Ledger
     runs: RunStore
     _wake: asyncio.Event  # set to make dispatch look again at once
+    _stopping: bool  # set by stop(): background loops end at their next turn
 
     async def instances(self) -> list[dict[str, Any]]:
         raise NotImplementedError  # provided by ManagerService

@@ -57,6 +57,8 @@ LOST_ASSIGNMENT_S = 1.5
 RELEASE_COMMIT_WAIT_S = 3.0
 # How long a released session stays barred: far longer than any beat can sit in flight.
 DEPARTED_TTL_MS = 60_000
+# How long stop() waits for the background loops after cancelling them.
+STOP_WAIT_S = 3.0
 
 # Registration and departure are ordered by Redis: a beat that a process sent just before it
 # released its work either lands first (and is then forgotten by the release) or finds the
@@ -116,17 +118,20 @@ class ManagerService(ChunkIngest, Dispatch, TrainerProtocol):
         self._stopping = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # Bounded: a loop that misses its cancel must not keep the process from exiting (the
+        # loops also end on _stopping, so this is a backstop, logged if it is ever needed).
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
+            for task in stuck:
+                log.error("background loop %s ignored its cancel; leaving it", task.get_name())
         # Drain flushes what handlers already answered; bounded, since a pull subscription
         # with an open fetch can otherwise hold it for nats-py's 30 s default.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.nc.drain(), 2.0)
         with contextlib.suppress(Exception):
-            await self.nc.close()
+            await asyncio.wait_for(self.nc.close(), STOP_WAIT_S)
         with contextlib.suppress(Exception):
-            await self.redis.aclose()
+            await asyncio.wait_for(self.redis.aclose(), STOP_WAIT_S)
 
     async def _supervised(self, loop: Callable[[], Awaitable[None]]) -> None:
         """Run a background loop; transient broker errors are retried, never silently fatal."""

@@ -30,6 +30,7 @@ from shared.bus import connect_nats, request
 from shared.config import RolloutConfig
 from shared.errors import ProtocolError, RlboostError
 from shared.metrics import serve_metrics
+from shared.process import wait_event
 from shared.protocol import (
     Ack,
     Assignment,
@@ -193,8 +194,7 @@ class RolloutService:
                     self._target = (reply.target.run_id, reply.target.weight_version)
                     self._want(*self._target)
             self._beat.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._beat.wait(), self.cfg.heartbeat_s)
+            await wait_event(self._beat, self.cfg.heartbeat_s)
 
     def _want(self, run_id: str, version: int) -> None:
         """Start loading ``version`` unless it is loaded, being loaded, or we are leaving."""
@@ -292,8 +292,7 @@ class RolloutService:
         while True:
             self._wake.clear()  # before the check, so an add() racing it still wakes us
             if not self.engine.has_work():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                await wait_event(self._wake, 0.5)
                 continue
             events = await asyncio.to_thread(self.engine.step)
             self.metrics.tokens.inc(len(events))

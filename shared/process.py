@@ -4,11 +4,15 @@ A launcher that dies must not leave its services running. The kernel's parent-de
 no good here: it fires when the *thread* that forked the child exits, and launchers (fault
 injectors in particular) spawn from threads. So the launcher passes its pid in
 RLBOOST_PARENT_PID, and :func:`die_with_parent` watches it from a daemon thread: once the
-launcher is gone the service gets SIGTERM, its ordinary graceful-shutdown path.
+launcher is gone the service gets SIGTERM, its ordinary graceful-shutdown path. That path
+must always end: :func:`wait_event` is the wait a service's loops use so that stopping them
+cannot be lost.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -41,3 +45,17 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``event``; return whether it is set.
+
+    Not ``asyncio.wait_for(event.wait(), timeout)``: on Python 3.11 a cancel that arrives as the
+    event fires is swallowed (wait_for returns the result instead; CPython gh-86296), so a loop
+    built on it runs on after its task was cancelled and a service stopping at that moment hung
+    on SIGTERM. ``asyncio.timeout`` keeps a cancel from outside distinct from its own expiry.
+    """
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    return event.is_set()

@@ -24,7 +24,6 @@ Contract of :func:`pull_version` (re-exported by :mod:`shared.weights_client`):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import shutil
@@ -35,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from shared.errors import WeightsError
+from shared.process import wait_event
 from shared.weights_fetch import BLOCK, RangeConn, SourceError, Stopped
 from shared.weights_http import Session
 from shared.weights_manifest import Chunk, check_ids, check_manifest
@@ -283,8 +283,7 @@ async def pull_version(
                 poll = _poll_peers(plan, session, run_id, version, own, token, first)
                 poller = asyncio.create_task(poll)
                 # Start with what peers already hold, rather than race them to the service.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(first.wait(), FIRST_POLL_S)
+                await wait_event(first, FIRST_POLL_S)
             await _download(plan, partial, svc, run_id, version, parallel, timeout_s, poller)
             await asyncio.to_thread(partial.publish, final)
         except OSError as exc:

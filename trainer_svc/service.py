@@ -214,8 +214,11 @@ class TrainerService:
         waiting: list[GroupDone] = []
         train_now = False
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                event = await asyncio.wait_for(self._events.get(), self.cfg.poll_s / 4)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel (see
+            # shared.process.wait_event) and a stopping trainer would go on polling.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.poll_s / 4):
+                    event = await self._events.get()
                 # A group too large for one message comes without samples: it is trained
                 # from the paged samples at the barrier.
                 if event.run_id == run.run_id and event.step == step and event.samples:
