@@ -10,6 +10,7 @@ join mid-step, and the manager, NATS and Redis are killed and restarted.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import signal
@@ -71,6 +72,7 @@ class Injector:
         self.counts: Counter[str] = Counter()
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self._gate = threading.Lock()  # held while a fault is injected
         self._next_id = 0
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -144,11 +146,24 @@ class Injector:
         ]
         while not self._stop.wait(self.rng.uniform(0.5, 1.5) * self.interval_s):
             name, fault, _ = self.rng.choices(kinds, weights=[k[2] for k in kinds])[0]
-            try:
-                fault()
-                self.counts[name] += 1
-            except Exception as exc:  # a fault that could not be injected is a test defect
-                self.errors.append(f"{name}: {exc!r}")
+            with self._gate:
+                if self._stop.is_set():
+                    return
+                try:
+                    fault()
+                    self.counts[name] += 1
+                except Exception as exc:  # a fault that could not be injected is a test defect
+                    self.errors.append(f"{name}: {exc!r}")
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No fault is in flight or starts inside: the test can submit a run knowing that its
+        answer is the manager's (a POST cut off by a fault could still have queued a run)."""
+        with self._gate:
+            yield
+
+    def total(self) -> int:
+        return sum(self.counts.values())
 
     def start(self) -> None:
         self.thread.start()
@@ -158,62 +173,89 @@ class Injector:
         self.thread.join(timeout=30)
 
 
-# Sixteen steps: long enough for the fault budget below now that chunks are committed quickly.
+# The faulted run must see FAULTS_MIN faults at least (and FAULTS_MAX at most, then it is left to
+# finish). How long a run lasts depends on the machine, so when one ends before the budget is
+# spent, another is submitted, up to MAX_FAULTED_RUNS: each must equal the fault-free run.
 SPEC = {"model": "emu", "steps": 16, "prompts_per_step": 8, "samples_per_prompt": 4,
         # A short fixed window: seeding hand-offs migrate responses, and spot instances still do
         # most of the work, so preemptions hit busy instances.
         "seeding": {"mode": "fixed", "window_s": 0.5},
         "max_new_tokens": 96, "seed": 21}
+FAULTS_MIN, FAULTS_MAX, MAX_FAULTED_RUNS = 50, 60, 4
+
+
+def submit(client: httpx.Client, injector: Injector, port: int) -> str:
+    """POST a run while no fault is in flight (retrying what a just-restarted broker refuses)."""
+    with injector.paused():
+        wait_port(port, 30)
+        for _ in range(100):
+            try:
+                resp = client.post("/v1/runs", json=SPEC)
+            except httpx.TransportError:
+                resp = None
+            if resp is not None and resp.status_code == 201:
+                return str(resp.json()["id"])
+            time.sleep(0.3)
+    raise AssertionError(f"could not submit a run: {resp and resp.text}")
+
+
+def run_under_faults(client: httpx.Client, injector: Injector, run_id: str) -> None:
+    """Until the run ends; the injector stops once FAULTS_MAX faults are in."""
+    end = time.monotonic() + 240
+    while time.monotonic() < end:
+        try:
+            resp = client.get(f"/v1/runs/{run_id}")
+            # 503 while Redis restarts, no answer while the manager does
+            state = resp.json()["state"] if resp.status_code == 200 else "unknown"
+        except (httpx.TransportError, ValueError):
+            state = "unknown"
+        if state in ("succeeded", "failed", "cancelled"):
+            return
+        if injector.total() >= FAULTS_MAX:
+            injector.stop()
+        time.sleep(0.3)
 
 
 def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack) -> None:
     url = cluster.env["RLBOOST_MANAGER_URL"]
+    port = int(url.rsplit(":", 1)[1])
     with httpx.Client(base_url=url, timeout=10) as client:
         clean_id = client.post("/v1/runs", json=SPEC).json()["id"]
         assert wait_run(client, clean_id, 240, cluster)["state"] == "succeeded"
         clean = check_run(client, clean_id, SPEC, REWARD)
 
-        faulted_id = client.post("/v1/runs", json=SPEC).json()["id"]
         injector = Injector(cluster, brokers, seed=7, interval_s=0.9)
         injector.start()
+        faulted_ids: list[str] = []
         try:
-            end = time.monotonic() + 240
-            while time.monotonic() < end:
-                try:
-                    resp = client.get(f"/v1/runs/{faulted_id}")
-                    # 503 while Redis restarts, no answer while the manager does
-                    state = resp.json()["state"] if resp.status_code == 200 else "unknown"
-                except (httpx.TransportError, ValueError):
-                    state = "unknown"
-                if state in ("succeeded", "failed", "cancelled"):
-                    break
-                # Keep injecting until the fault budget is spent, then let the run finish.
-                if sum(injector.counts.values()) >= 60:
-                    injector.stop()
-                time.sleep(0.3)
+            while injector.total() < FAULTS_MIN and len(faulted_ids) < MAX_FAULTED_RUNS:
+                faulted_ids.append(submit(client, injector, port))
+                run_under_faults(client, injector, faulted_ids[-1])
         finally:
             injector.stop()
         assert not injector.errors, injector.errors
-        faults = sum(injector.counts.values())
-        print(f"injected {faults} faults: {dict(injector.counts)}")
-        wait_port(int(url.rsplit(":", 1)[1]), 30)
-        final = wait_run(client, faulted_id, 120, cluster)
-        assert final["state"] == "succeeded", final
-        assert faults >= 50, injector.counts
+        faults = injector.total()
+        print(f"injected {faults} faults over {len(faulted_ids)} runs: {dict(injector.counts)}")
+        assert faults >= FAULTS_MIN, injector.counts
         assert len(injector.counts) >= 6, injector.counts
-        faulted = check_run(client, faulted_id, SPEC, REWARD)
-        for step, samples in faulted.items():
-            reference = {(s["prompt_index"], s["sample_index"]): s for s in clean[step]}
-            for s in samples:
-                tokens = s["response_token_ids"]
-                assert tokens == reference[(s["prompt_index"], s["sample_index"])][
-                    "response_token_ids"]
-                assert tokens == oracle(SPEC, s, step)
-        records = step_records(client, faulted_id)
-        totals = {k: sum(r[k] for r in records) for k in (
-            "migrations", "preemptions", "stale_chunks_rejected", "tokens_regenerated",
-            "duplicate_chunks_dropped")}
-        print(f"faulted run counters: {totals}")
+        wait_port(port, 30)
+        totals: Counter[str] = Counter()
+        for faulted_id in faulted_ids:
+            final = wait_run(client, faulted_id, 120, cluster)
+            assert final["state"] == "succeeded", final
+            faulted = check_run(client, faulted_id, SPEC, REWARD)
+            for step, samples in faulted.items():
+                reference = {(s["prompt_index"], s["sample_index"]): s for s in clean[step]}
+                for s in samples:
+                    tokens = s["response_token_ids"]
+                    assert tokens == reference[(s["prompt_index"], s["sample_index"])][
+                        "response_token_ids"]
+                    assert tokens == oracle(SPEC, s, step)
+            for record in step_records(client, faulted_id):
+                totals.update({k: record[k] for k in (
+                    "migrations", "preemptions", "stale_chunks_rejected", "tokens_regenerated",
+                    "duplicate_chunks_dropped")})
+        print(f"faulted run counters: {dict(totals)}")
         assert totals["preemptions"] > 0 and totals["migrations"] > 0
 
 
