@@ -109,17 +109,14 @@ class Plan:
         if self.peers:  # rule 2: at random
             free = sorted(self.pending - held)
             return (self._rng.choice(free), None) if free else None
+        # Alone: the next in this puller's rotation. Without peers no chunk ever goes back to
+        # pending (a worker retries a failed service fetch itself), so the cursor only advances.
         while self._cursor < len(self.order):
             index = self.order[self._cursor]
-            if index not in self.pending:
-                self._cursor += 1  # done or in flight: passed for good
-            elif index in held:
-                break  # its turn comes when its peer has room, or when the peer is gone
-            else:
-                self._cursor += 1
+            self._cursor += 1
+            if index in self.pending:
                 return index, None
-        rest = self.pending - held
-        return (min(rest, key=self.rank.__getitem__), None) if rest else None
+        return None
 
     def _claimed(self, alive: list[str]) -> set[int]:
         now = time.monotonic()

@@ -16,9 +16,10 @@ from shared.weights_plan import Plan
 PEER = "http://127.0.0.1:9001"
 
 
-def plan_of(n: int, start: int = 0, parallel: int = 2) -> Plan:
+def plan_of(n: int, start: int = 0, parallel: int = 2, peers: bool = True,
+            done: frozenset[int] = frozenset()) -> Plan:
     chunks = [Chunk(i, "model.safetensors", i * 10, 10, "0" * 64) for i in range(n)]
-    return Plan(chunks, set(), {}, parallel, start, peers=True)
+    return Plan(chunks, set(done), {}, parallel, start, peers=peers)
 
 
 def take_within(plan: Plan, seconds: float) -> tuple[int, str | None] | None:
@@ -32,6 +33,17 @@ def take_within(plan: Plan, seconds: float) -> tuple[int, str | None] | None:
         t.join()
         return None
     return got[0]
+
+
+def test_alone_every_missing_chunk_comes_from_the_service_once_in_rotation() -> None:
+    plan = plan_of(6, start=4, parallel=4, peers=False, done=frozenset({5, 1}))
+    taken = [take_within(plan, 1.0) for _ in range(4)]
+    assert taken == [(4, None), (0, None), (2, None), (3, None)]
+    assert plan.take() is None  # all taken: workers end instead of waiting
+    assert plan.remaining() == 4
+    for index, _ in (t for t in taken if t is not None):
+        plan.finish(index, None)
+    assert plan.remaining() == 0 and plan.bytes_from_service == 40
 
 
 def test_a_chunk_a_peer_is_fetching_is_not_fetched_from_the_service_again() -> None:
