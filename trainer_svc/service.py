@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,10 +92,31 @@ class TrainerService:
         log.info("trainer %s ready: %s", self.cfg.trainer_id, self.cfg.common.describe())
         try:
             while not self._stop.is_set():
-                await self._tick()
+                await self._until_stopped(self._tick())
         finally:
             with contextlib.suppress(Exception):
                 await self.nc.close()
+
+    async def _until_stopped(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work``; if stop() comes first, cancel it at its next await and return.
+
+        A step cut short is redone after a restart from the manager's committed samples and the
+        last checkpoint, just as after a crash (tests/test_restart), so finishing it first would
+        only delay the exit: a step on a real model outlasts any orchestrator's stop grace, and
+        the SIGKILL that follows would cut it anyway. Work already handed to a thread (a group's
+        backward pass, a checkpoint write) completes before the process exits."""
+        task = asyncio.create_task(work)
+        stopping = asyncio.create_task(self._stop.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not task.done():
+            log.info("stopping mid-step; a restarted trainer redoes the step")
+            task.cancel()
+            await asyncio.wait([task])
+        if not task.cancelled():
+            task.result()  # an unexpected error still ends the service, as before
 
     def stop(self) -> None:
         self._stop.set()
