@@ -2,8 +2,9 @@
 
 1. Manager ingest: a real manager on real NATS JetStream + Redis commits one step's chunks by its
    whole exactly-once path (pull consumer, Lua commit, acks, group and barrier events), published
-   as ``rollout_svc`` does (awaited JetStream publishes) by emulated instances that heartbeat and
-   hold the manager's own assignments; the tokens are the emu oracle's, checked token for token.
+   as ``rollout_svc`` does (awaited JetStream publishes, an engine step's chunks together) by
+   emulated instances that heartbeat and hold the manager's own assignments; the tokens are the
+   emu oracle's, checked token for token.
    Live: first publish -> barrier; drain: manager paused (SIGSTOP) while the stream fills. The
    baseline: the same messages from the same tasks, raw nats-py publish -> subscribe elsewhere.
 2. Scheduling, EMULATION: 32 emu instances run a few steps with the real manager, trainer and
@@ -112,12 +113,30 @@ class Publisher:
         return [m for m in chain.from_iterable(zip_longest(*per)) if m is not None]
 
     async def publish(self, js: Any, msgs: list[Chunk]) -> None:
+        """As rollout_svc does: an engine step's chunks (one per live response) go out
+        together, and all are acked before the next step's, so a response has at most one
+        chunk in flight."""
         subject = names.chunk_subject(self.run_id)
-        for rid, end, final, data in msgs:  # as rollout_svc does: each publish awaits its ack
-            await js.publish(subject, data, timeout=30.0)
-            self.published[rid] = end
-            if final and rid in self.held:
-                self.finished[rid] = self.held[rid].epoch
+        for batch in engine_steps(msgs):
+            await asyncio.gather(*(js.publish(subject, m[3], timeout=30.0) for m in batch))
+            for rid, end, final, _ in batch:
+                self.published[rid] = end
+                if final and rid in self.held:
+                    self.finished[rid] = self.held[rid].epoch
+
+
+def engine_steps(msgs: list[Chunk]) -> list[list[Chunk]]:
+    """Split interleaved chunks into the engine steps that produced them: a step ends where a
+    response's next chunk begins."""
+    steps: list[list[Chunk]] = []
+    seen: set[str] = set()
+    for m in msgs:
+        if not steps or m[0] in seen:
+            steps.append([])
+            seen.clear()
+        steps[-1].append(m)
+        seen.add(m[0])
+    return steps
 
 
 async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
