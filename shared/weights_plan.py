@@ -100,11 +100,13 @@ class Plan:
         if self.load[None] >= self._service_cap(live):
             return None
         # A chunk a live peer holds waits for that peer's capacity: fetching it from the service
-        # instead would be the very duplicate egress fan-out exists to avoid.
+        # instead would be the very duplicate egress fan-out exists to avoid. Except a chunk a
+        # peer served corrupt: that one comes from the service even while peers hold it.
         alive = [u for u in self.have if u not in self.dead]
         if any(u in self.complete for u in alive):
-            return None
-        held = set().union(*(self.have[u] for u in alive), self._claimed(alive))
+            held = set(self.pending)
+        else:
+            held = set().union(*(self.have[u] for u in alive), self._claimed(alive))
         held -= self.service_only
         if self.peers:  # rule 2: at random
             free = sorted(self.pending - held)
@@ -181,9 +183,7 @@ class Plan:
             n, now = len(self.chunks), time.monotonic()
             self.have[url] = {i for i in chunks if 0 <= i < n}
             coming = {i for i in fetching if 0 <= i < n}
-            for i in self.coming.get(url, set()) - coming:
-                del self.claimed_at[(url, i)]
-            for i in coming:
+            for i in coming:  # aged from its first claim: dropping and renewing it resets nothing
                 self.claimed_at.setdefault((url, i), now)
             self.coming[url] = coming
             self.heard[url] = now

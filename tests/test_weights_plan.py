@@ -98,6 +98,34 @@ def test_a_claim_renewed_by_each_answer_keeps_its_first_age(
     assert take_within(plan, 0.2) == (0, None)
 
 
+def test_a_claim_dropped_and_made_again_keeps_its_first_age(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(weights_plan, "CLAIM_MAX_S", 0.4)
+    plan = plan_of(1)
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:  # "fetching", "not fetching", "fetching", ...
+        plan.update_peer(PEER, False, set(), {0})
+        plan.update_peer(PEER, False, set(), set())
+        plan.update_peer(PEER, False, set(), {0})
+        time.sleep(0.05)
+    assert take_within(plan, 0.2) == (0, None)
+
+
+def test_a_chunk_a_peer_served_corrupt_comes_from_the_service_while_others_hold_all() -> None:
+    good, bad = "http://127.0.0.1:9002", PEER
+    plan = plan_of(3)
+    plan.update_peer(bad, True, set())
+    plan.update_peer(good, True, set())
+    assert take_within(plan, 1.0) == (0, bad)
+    plan.peer_failed(bad, 0, corrupt=True, why="served bad bytes")
+    assert take_within(plan, 1.0) == (1, good)
+    assert take_within(plan, 1.0) == (2, good)
+    # The good peer is at its cap and holds chunk 0 too, but chunk 0 may only come from the
+    # service now: waiting for the peer would wait forever.
+    assert take_within(plan, 1.0) == (0, None)
+
+
 def test_a_dead_peer_s_claims_count_for_nothing() -> None:
     plan = plan_of(2)
     plan.update_peer(PEER, False, {1}, {0})
