@@ -30,6 +30,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -79,26 +80,39 @@ def _is_loopback(url: str) -> bool:
 
 
 def route_ip(url: str) -> str:
-    """The local address this host sends from towards ``url``'s host (no packet is sent)."""
+    """The local IPv4 address this host sends from towards ``url``'s host (no packet is sent).
+
+    IPv4 only, as the chunk server listens: a service name that resolves to IPv6 first would
+    otherwise be answered with an address nobody can connect to. May block on DNS."""
     parts = urlsplit(url)
     try:
-        family, _, _, _, addr = socket.getaddrinfo(
-            parts.hostname or "127.0.0.1", parts.port or 80, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
+        *_, addr = socket.getaddrinfo(parts.hostname or "127.0.0.1", parts.port or 80,
+                                      family=socket.AF_INET, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(addr)
             return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"  # no route: announced to nobody but a service on loopback
+    except (OSError, ValueError):
+        return "127.0.0.1"  # no route (now): announced to nobody but a service on loopback
+
+
+# What the weight service accepts as a peer's URL (weight_svc.peers): a host name or an IPv4
+# address and a port, nothing more, since every joiner connects to it as given.
+PEER_URL_RE = re.compile(r"http://[A-Za-z0-9.\-]{1,253}:\d{1,5}")
+
+
+def peer_url_problem(url: object) -> str | None:
+    """Why ``url`` is no peer URL, or None if it is one."""
+    if not isinstance(url, str) or PEER_URL_RE.fullmatch(url) is None:
+        return f"peer url must be http://host:port, got {str(url)[:100]!r}"
+    if not 0 < int(url.rsplit(":", 1)[1]) < 65536:
+        return f"peer url has an invalid port: {url!r}"
+    return None
 
 
 def check_url(url: str, name: str) -> None:
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise ConfigError(name, f"expected http://host:port, got {url[:100]!r}")
+    """At start-up, the rule the weight service applies at every registration."""
+    if (problem := peer_url_problem(url)) is not None:
+        raise ConfigError(name, problem)
 
 
 class PeerServer:
@@ -186,9 +200,9 @@ class PeerServer:
         return url
 
     def advertise(self, service_url: str, run_id: str, version: int) -> None:
-        """Register with the service now (in the background) and keep the entry fresh."""
-        if self.url_for(service_url) is None:
-            return
+        """Register with the service now (in the background) and keep the entry fresh. Where
+        to announce is decided at each refresh, off the caller's thread: it may take a DNS
+        lookup, and a route that failed once may come back."""
         with self._lock:
             self._adverts[(service_url, run_id, version)] = None
         self._wake.set()

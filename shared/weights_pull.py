@@ -160,8 +160,8 @@ async def _poll_peers(plan: Plan, session: Session, run_id: str, version: int,
                                  {int(i) for i in have.get("fetching", [])})
             except httpx.HTTPStatusError:
                 plan.update_peer(url, False, set())  # it answered: it holds nothing (now)
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                pass  # slow or gone: its claims lapse; a failed fetch from it drops it
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, OverflowError):
+                pass  # slow, gone or talking nonsense: its claims lapse; a failed fetch drops it
 
         async def watch(url: str) -> None:
             while plan.worth_asking(url):
@@ -278,7 +278,9 @@ async def pull_version(
                 serve.advertise(base_url, run_id, version)
             poller = None
             if peers:
-                own = serve.url_for(base_url) if serve is not None else None
+                # In a thread: it may resolve the service's name, and this is the event loop.
+                own = (await asyncio.to_thread(serve.url_for, base_url)
+                       if serve is not None else None)
                 first = asyncio.Event()
                 poll = _poll_peers(plan, session, run_id, version, own, token, first)
                 poller = asyncio.create_task(poll)

@@ -17,13 +17,13 @@ Contract:
 from __future__ import annotations
 
 import ipaddress
-import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
 from shared.errors import ConfigError
+from shared.weights_peer import peer_url_problem
 from shared.weights_serve import RangeError, RangeServer
 from weight_svc.store import Store, StoreError
 
@@ -31,9 +31,6 @@ PEER_TTL_S = 60.0
 MAX_PEERS_PER_VERSION = 256
 MAX_TRACKED_VERSIONS = 1024
 DATA_PORT_HEADER = "X-Rlboost-Data-Port"
-_PEER_URL_RE = re.compile(r"http://[A-Za-z0-9.\-]{1,253}:\d{1,5}")
-
-
 def bind_host(url: str) -> str:
     """The URL's host when it is an IP address (a loopback URL must not expose the store to the
     network), all interfaces when it is a DNS name (which names this machine from outside)."""
@@ -47,10 +44,9 @@ def bind_host(url: str) -> str:
 
 
 def check_peer_url(url: object) -> str:
-    if not isinstance(url, str) or _PEER_URL_RE.fullmatch(url) is None:
-        raise StoreError(422, f"peer url must be http://host:port, got {str(url)[:100]!r}")
-    if not 0 < int(url.rsplit(":", 1)[1]) < 65536:
-        raise StoreError(422, f"peer url has an invalid port: {url!r}")
+    if (problem := peer_url_problem(url)) is not None:
+        raise StoreError(422, problem)
+    assert isinstance(url, str)  # peer_url_problem saw to it
     return url
 
 
