@@ -118,8 +118,8 @@ class ManagerService(ChunkIngest, Dispatch, TrainerProtocol):
         self._stopping = True
         for task in self._tasks:
             task.cancel()
-        # Bounded: a loop that misses its cancel must not keep the process from exiting (the
-        # loops also end on _stopping, so this is a backstop, logged if it is ever needed).
+        # Bounded, so that stop() returns and closes the clients even if a loop misses its
+        # cancel (the loops also end on _stopping: this is a backstop, logged if ever needed).
         if self._tasks:
             _, stuck = await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
             for task in stuck:
