@@ -18,7 +18,9 @@ started; it returns None once every chunk is taken or the plan is stopped. Polic
    service counts as held while that report is fresh (``CLAIM_FRESH_S``) and younger than
    ``CLAIM_MAX_S``: joiners would otherwise pull the same chunk from the service at the same time,
    which is most of the duplicate egress when many start together; the age cap keeps a stalled
-   or vanished peer from stalling everyone else.
+   or vanished peer from stalling everyone else. The cap grows with how long this pull's own
+   chunks take from the service: over a slow link a peer's fetch takes as long, and a cap
+   shorter than that would lapse every claim and duplicate every chunk.
 3. A peer that fails is dropped for the rest of the pull; a chunk it served with bad bytes is
    fetched from the service only. A 404 from a peer just means "not (any more) here".
 """
@@ -38,7 +40,8 @@ PEER_CAP = 2  # chunks in flight per peer per puller: spreads load over peers
 WAIT_S = 0.05  # how long an idle worker sleeps before it looks for work again
 DISCOVERY_S = 1.5  # time for a joiner to learn of peers that started with it
 CLAIM_FRESH_S = 2.0  # a peer's "fetching" list counts while its last answer is this recent
-CLAIM_MAX_S = 5.0  # longer than a 64 MiB chunk takes from a busy service by a wide margin
+CLAIM_MAX_S = 5.0  # at least: a 64 MiB chunk from a busy service on a LAN takes ~1 s
+CLAIM_SLACK = 3.0  # ...and at least this many times this pull's slowest recent service chunk
 
 
 class Plan:
@@ -59,7 +62,8 @@ class Plan:
         self.coming: dict[str, set[int]] = {}  # what each peer is fetching from the service
         self.heard: dict[str, float] = {}  # when each peer last answered
         self.claimed_at: dict[tuple[str, int], float] = {}
-        self.from_service: set[int] = set()  # this pull's chunks in flight from the service
+        self.from_service: dict[int, float] = {}  # this pull's chunks from the service: since
+        self.service_chunk_s = 0.0  # slowest recent chunk from the service (decaying)
         self.dead: set[str] = set()
         self.load: dict[str | None, int] = {None: 0}
         self.service_only: set[int] = set()
@@ -85,7 +89,7 @@ class Plan:
                     self.inflight.add(index)
                     self.load[source] = self.load.get(source, 0) + 1
                     if source is None:
-                        self.from_service.add(index)
+                        self.from_service[index] = time.monotonic()
                     return job
                 self._cond.wait(WAIT_S)
             return None
@@ -120,11 +124,14 @@ class Plan:
                 return index, None
         return None
 
+    def claim_cap(self) -> float:
+        return max(CLAIM_MAX_S, CLAIM_SLACK * self.service_chunk_s)
+
     def _claimed(self, alive: list[str]) -> set[int]:
-        now = time.monotonic()
+        now, cap = time.monotonic(), self.claim_cap()
         return {
             i for u in alive if now - self.heard.get(u, 0.0) < CLAIM_FRESH_S
-            for i in self.coming.get(u, ()) if now - self.claimed_at[(u, i)] < CLAIM_MAX_S
+            for i in self.coming.get(u, ()) if now - self.claimed_at[(u, i)] < cap
         }
 
     def service_fetching(self) -> list[int]:
@@ -142,11 +149,14 @@ class Plan:
     def finish(self, index: int, source: str | None) -> None:
         with self._cond:
             self.inflight.discard(index)
-            self.from_service.discard(index)
+            started = self.from_service.pop(index, None)
             self.load[source] -= 1
             size = self.chunks[index].size
             if source is None:
                 self.bytes_from_service += size
+                if started is not None:
+                    took = time.monotonic() - started
+                    self.service_chunk_s = max(took, 0.8 * self.service_chunk_s)
             else:
                 self.bytes_from_peers += size
             self.progress_at = time.monotonic()

@@ -78,6 +78,21 @@ def test_a_claim_older_than_the_cap_no_longer_holds_anyone_back(
     assert time.monotonic() - started >= 0.15
 
 
+def test_the_claim_cap_grows_with_how_long_service_chunks_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(weights_plan, "CLAIM_MAX_S", 0.1)
+    plan = plan_of(2)
+    first = take_within(plan, 1.0)
+    assert first is not None and first[1] is None
+    time.sleep(0.3)  # a slow link: the service's chunk takes 0.3 s
+    plan.finish(first[0], None)
+    assert plan.claim_cap() >= 0.85
+    plan.update_peer(PEER, False, set(), {1 - first[0]})
+    # A peer's fetch of the other chunk is as slow as ours: its claim holds well past 0.1 s.
+    assert take_within(plan, 0.5) is None
+
+
 def test_a_silent_peer_s_claims_lapse(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(weights_plan, "CLAIM_FRESH_S", 0.2)
     plan = plan_of(1)
