@@ -34,6 +34,7 @@ from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
 from shared.config import ManagerConfig
 from shared.errors import ProtocolError
 from shared.names import Keys
+from shared.process import cancel_and_wait
 from shared.protocol import (
     Ack,
     Heartbeat,
@@ -116,14 +117,12 @@ class ManagerService(ChunkIngest, Dispatch, TrainerProtocol):
         if self._stopping:
             return
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        # Bounded, so that stop() returns and closes the clients even if a loop misses its
-        # cancel (the loops also end on _stopping: this is a backstop, logged if ever needed).
-        if self._tasks:
-            _, stuck = await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
-            for task in stuck:
-                log.error("background loop %s ignored its cancel; leaving it", task.get_name())
+        # Bounded, so that stop() returns and closes the clients even if a loop ignores its
+        # cancels (the loops also end on _stopping: this is a backstop, logged if ever needed).
+        ended = await asyncio.gather(*(cancel_and_wait(t, STOP_WAIT_S) for t in self._tasks))
+        for task, done in zip(self._tasks, ended, strict=True):
+            if not done:
+                log.error("background loop %s ignored its cancels; leaving it", task.get_name())
         # Drain flushes what handlers already answered; bounded, since a pull subscription
         # with an open fetch can otherwise hold it for nats-py's 30 s default.
         with contextlib.suppress(Exception):

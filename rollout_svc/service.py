@@ -30,7 +30,7 @@ from shared.bus import connect_nats, request
 from shared.config import RolloutConfig
 from shared.errors import ProtocolError, RlboostError
 from shared.metrics import serve_metrics
-from shared.process import wait_event
+from shared.process import cancel_and_wait, wait_event
 from shared.protocol import (
     Ack,
     Assignment,
@@ -143,9 +143,7 @@ class RolloutService:
 
     async def _leave(self, tasks: list[asyncio.Task[None]]) -> None:
         for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
         self.engine.drain()
         # Commit whatever was generated, so the next owner resumes after it, not before.
         for rid, item in list(self.inflight.items()):

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 CHECK_S = 1.0
 
@@ -59,3 +60,22 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
         async with asyncio.timeout(timeout):
             await event.wait()
     return event.is_set()
+
+
+RECANCEL_S = 1.0  # how often cancel_and_wait repeats its cancel
+
+
+async def cancel_and_wait(task: asyncio.Task[Any], timeout: float | None = None) -> bool:
+    """Cancel ``task`` and wait for it to end; return whether it did within ``timeout``.
+
+    The cancel is repeated every ``RECANCEL_S``: code built on 3.11's ``asyncio.wait_for``
+    (nats-py's request among it) can drop one, and a loop around it then runs on. A task's own
+    clean-up after a cancel has that long before the next one lands."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while not task.done():
+        task.cancel()
+        wait = RECANCEL_S if end is None else min(RECANCEL_S, end - time.monotonic())
+        if wait <= 0:
+            break
+        await asyncio.wait([task], timeout=wait)
+    return task.done()

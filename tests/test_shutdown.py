@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from manager_svc.service import STOP_WAIT_S, ManagerService
+from shared import process
 from shared.config import ManagerConfig
 from shared.process import wait_event
 from shared.stack import Stack, free_port
@@ -49,6 +50,25 @@ async def test_a_cancel_that_lands_as_the_event_fires_still_ends_the_loop() -> N
     done, _ = await asyncio.wait([task], timeout=2.0)
     try:
         assert done, f"the cancel was lost: the loop went on ({turns} turns)"
+        assert task.cancelled()
+    finally:
+        task.cancel()
+
+
+async def test_cancel_and_wait_ends_a_task_that_drops_a_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(process, "RECANCEL_S", 0.1)
+
+    async def drops_one() -> None:
+        with contextlib.suppress(asyncio.CancelledError):  # as nats-py's request can, on 3.11
+            await asyncio.sleep(10.0)
+        await asyncio.sleep(10.0)  # the repeated cancel lands here
+
+    task = asyncio.create_task(drops_one())
+    await asyncio.sleep(0)
+    try:
+        assert await asyncio.wait_for(process.cancel_and_wait(task), 5.0)
         assert task.cancelled()
     finally:
         task.cancel()

@@ -30,6 +30,7 @@ from shared.bus import connect_nats, request
 from shared.config import TrainerConfig
 from shared.errors import PeerError, PeerTimeout, ProtocolError, RlboostError
 from shared.metrics import serve_metrics
+from shared.process import cancel_and_wait
 from shared.protocol import (
     Ack,
     ActiveRun,
@@ -111,12 +112,12 @@ class TrainerService:
             await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopping.cancel()
-        if not task.done():
+        cut = not task.done()
+        if cut:
             log.info("stopping mid-step; a restarted trainer redoes the step")
-            task.cancel()
-            await asyncio.wait([task])
-        if not task.cancelled():
-            task.result()  # an unexpected error still ends the service, as before
+            await cancel_and_wait(task)
+        if not (cut and task.cancelled()):
+            task.result()  # an unexpected error (or cancel) still ends the service, as before
 
     def stop(self) -> None:
         self._stop.set()
