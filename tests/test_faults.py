@@ -244,8 +244,12 @@ def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack) -> 
         assert faults >= FAULTS_MIN, injector.counts
         assert len(injector.counts) >= 6, injector.counts
         wait_port(port, 30)
+        # Every run there is, should a submission have queued one more than it knew of: each
+        # ran under the same faults and must equal the fault-free run all the same.
+        listed = [r["id"] for r in client.get("/v1/runs").json() if r["id"] != clean_id]
+        assert set(faulted_ids) <= set(listed), (faulted_ids, listed)
         totals: Counter[str] = Counter()
-        for faulted_id in faulted_ids:
+        for faulted_id in listed:
             final = wait_run(client, faulted_id, 120, cluster)
             assert final["state"] == "succeeded", final
             faulted = check_run(client, faulted_id, SPEC, REWARD)
