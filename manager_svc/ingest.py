@@ -45,7 +45,6 @@ PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUM
 class ChunkIngest(ManagerParts):
     """Ingest half of :class:`manager_svc.service.ManagerService` (a mixin)."""
 
-
     async def _consume_chunks(self) -> None:
         """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered
         into a callback subscription: nats-py's ``fetch`` costs two tasks per message."""

@@ -40,7 +40,6 @@ LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_
 class TrainerProtocol(ManagerParts):
     """Trainer-facing half of :class:`manager_svc.service.ManagerService` (a mixin)."""
 
-
     async def on_poll(self, poll: TrainerPoll) -> ActiveRun:
         run_id = await self.runs.active()
         if not run_id:

@@ -5,8 +5,8 @@ no good here: it fires when the *thread* that forked the child exits, and launch
 injectors in particular) spawn from threads. So the launcher passes its pid in
 RLBOOST_PARENT_PID, and :func:`die_with_parent` watches it from a daemon thread: once the
 launcher is gone the service gets SIGTERM, its ordinary graceful-shutdown path. That path
-must always end: :func:`wait_event` is the wait a service's loops use so that stopping them
-cannot be lost.
+must always end: :func:`wait_event` is the wait a service's loops use, and
+:func:`cancel_and_wait` how they are stopped, so that no stop can be lost.
 """
 
 from __future__ import annotations

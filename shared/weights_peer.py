@@ -65,10 +65,6 @@ class _Offer:
 WILDCARDS = ("0.0.0.0", "")  # the chunk server is IPv4 (http.server's default)
 
 
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
 def _is_loopback(url: str) -> bool:
     host = urlsplit(url).hostname or ""
     if host == "localhost":
@@ -134,7 +130,7 @@ class PeerServer:
             host, port, PEER_PREFIX, self._resolve, token, self._count,
             json_hook=self._json, range_hook=self._check_range,
         )
-        self.url = advertise or f"http://{_url_host(host)}:{self.server.port}"
+        self.url = advertise or f"http://{host}:{self.server.port}"
         self._wildcard = host in WILDCARDS
         self._explicit = advertise is not None
         self._refused: set[str] = set()  # services told nothing: our URL is loopback to them
@@ -187,7 +183,7 @@ class PeerServer:
         """The URL to announce to ``service_url``; None where peers could not reach it."""
         url = self.url
         if self._wildcard and not self._explicit:
-            url = f"http://{_url_host(route_ip(service_url))}:{self.server.port}"
+            url = f"http://{route_ip(service_url)}:{self.server.port}"
         if _is_loopback(url) and not _is_loopback(service_url):
             with self._lock:
                 first = service_url not in self._refused
@@ -282,6 +278,7 @@ class PeerServer:
                 self._wake.clear()  # before reading: a wake from now on means another round
                 with self._lock:
                     adverts = list(self._adverts)
+                announce: dict[str, str | None] = {}  # per service, once a round: it may be DNS
                 for service_url, run_id, version in adverts:
                     if not self._servable(run_id, version):
                         with self._lock:
@@ -289,7 +286,9 @@ class PeerServer:
                         continue
                     url = f"{service_url}/v1/weights/{run_id}/{version}/peers"
                     try:  # best effort: an unregistered peer costs egress, not correctness
-                        if (mine := self.url_for(service_url)) is not None:
+                        if service_url not in announce:
+                            announce[service_url] = self.url_for(service_url)
+                        if (mine := announce[service_url]) is not None:
                             client.post(url, json={"url": mine}).raise_for_status()
                     except httpx.HTTPError as exc:
                         log.info("registering as a peer of %s/%d failed: %s", run_id, version, exc)

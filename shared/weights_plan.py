@@ -149,14 +149,12 @@ class Plan:
     def finish(self, index: int, source: str | None) -> None:
         with self._cond:
             self.inflight.discard(index)
-            started = self.from_service.pop(index, None)
             self.load[source] -= 1
             size = self.chunks[index].size
             if source is None:
                 self.bytes_from_service += size
-                if started is not None:
-                    took = time.monotonic() - started
-                    self.service_chunk_s = max(took, 0.8 * self.service_chunk_s)
+                took = time.monotonic() - self.from_service.pop(index)
+                self.service_chunk_s = max(took, 0.8 * self.service_chunk_s)
             else:
                 self.bytes_from_peers += size
             self.progress_at = time.monotonic()

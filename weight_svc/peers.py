@@ -31,6 +31,8 @@ PEER_TTL_S = 60.0
 MAX_PEERS_PER_VERSION = 256
 MAX_TRACKED_VERSIONS = 1024
 DATA_PORT_HEADER = "X-Rlboost-Data-Port"
+
+
 def bind_host(url: str) -> str:
     """The URL's host when it is an IP address (a loopback URL must not expose the store to the
     network), all interfaces when it is a DNS name (which names this machine from outside)."""
