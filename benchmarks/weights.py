@@ -230,10 +230,9 @@ def main() -> None:
             for label, fn in rows:
                 cpu, t = cpu_s() + cpu_s(proc.pid), time.perf_counter()
                 fn(i)
-                took = time.perf_counter() - t
+                runs[label].append((time.perf_counter() - t, cpu_s() + cpu_s(proc.pid) - cpu))
                 for leftover in pulls.iterdir():  # delete what it wrote, outside the measurement
                     (shutil.rmtree if leftover.is_dir() else Path.unlink)(leftover)
-                runs[label].append((took, cpu_s() + cpu_s(proc.pid) - cpu))
         best = {label: min(runs[label]) for label in runs}
         results = {}
         for peers in (False, True):
