@@ -6,7 +6,8 @@ one atomic script that its lease epoch is the current one and its lease is alive
 its offset is the next uncommitted position, and then appends. So a redelivered chunk is a
 counted duplicate, a chunk from a revoked or expired owner is a counted stale chunk, and no
 interleaving of manager restarts, redeliveries or zombies can commit a token twice. Ownership
-changes (:meth:`assign`, :meth:`revoke`) bump the epoch in the same atomic way.
+changes (:meth:`assign`, :meth:`revoke`) bump the epoch in the same atomic way. The scripts
+are ``manager_svc/lua/{commit,assign,revoke,renew_many}.lua``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from manager_svc.scripts import register
 from shared.names import Keys, parse_request_id, request_id
 from shared.protocol import Assignment, Sample, TokenChunk
 
@@ -29,168 +31,6 @@ log = logging.getLogger("manager")
 COMMIT_SLICE = 64
 _json = msgspec.json.Encoder()
 
-_COMMON = """
-local function csv_append(key, field, value)
-  local cur = redis.call('HGET', key, field) or ''
-  if cur == '' then redis.call('HSET', key, field, value)
-  else redis.call('HSET', key, field, cur .. ',' .. value) end
-end
-local function release_owner(req, rid, held_prefix)
-  local owner = redis.call('HGET', req, 'owner')
-  if owner and owner ~= '' then redis.call('SREM', held_prefix .. owner .. ':held', rid) end
-  redis.call('HSET', req, 'owner', '')
-end
-"""
-
-# Commits a batch of chunks in order, each exactly as if alone (a batch only saves round trips).
-# ARGV: now, held_prefix, req_prefix, lease_prefix, leased/done/pending suffixes of the step
-# key, then one JSON array per chunk (see Ledger._commit_batch; one argument, not eleven, as
-# packing arguments was most of the commit's CPU). Returns "status n,status n,..." in order.
-_COMMIT = _COMMON + """
-local now, held_prefix, req_prefix, lease_prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
--- Step counters are summed here and written once per script: Redis time per chunk is the
--- commit's ceiling, and the script is atomic, so nobody can see them half-applied.
-local counts, firsts = {}, {}
-local function count(step, field, by)
-  counts[step] = counts[step] or {}
-  counts[step][field] = (counts[step][field] or 0) + by
-end
-local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, finish, kind,
-                      step)
-  local req, lease, leased = req_prefix .. rid, lease_prefix .. rid, step .. ARGV[5]
-  local st = redis.call('HMGET', req, 'done', 'epoch', 'n', 'version', 'max', 'last', 'p',
-                        'tokens')
-  if not st[2] then return 'unknown', 0 end  -- every request hash has an epoch
-  local epoch = tonumber(epoch_s)
-  local cur, n = tonumber(st[2]), tonumber(st[3])
-  if st[1] == '1' then
-    if epoch == cur then
-      count(step, 'duplicate_chunks_dropped', 1)
-      return 'duplicate', n
-    end
-    count(step, 'stale_chunks_rejected', 1)
-    count(step, 'tokens_regenerated', ntok)
-    return 'stale', n
-  end
-  if epoch ~= cur or redis.call('GET', lease) ~= (inst .. ':' .. epoch_s) then
-    count(step, 'stale_chunks_rejected', 1)
-    count(step, 'tokens_regenerated', ntok)
-    return 'stale', n
-  end
-  if (ntok > 0 and offset + ntok <= n) or (ntok == 0 and offset < n) then
-    count(step, 'duplicate_chunks_dropped', 1)
-    return 'duplicate', n
-  end
-  local function revoke(why, counter)
-    count(step, counter, 1)
-    redis.call('HINCRBY', req, 'epoch', 1)
-    redis.call('DEL', lease)
-    release_owner(req, rid, held_prefix)
-    redis.call('SMOVE', leased, step .. ARGV[7], rid)
-    count(step, 'tokens_regenerated', ntok)
-    return why, n
-  end
-  if offset ~= n then return revoke('gap', 'gaps') end
-  if tonumber(version) ~= tonumber(st[4]) then
-    return revoke('wrong_version', 'wrong_version_chunks')
-  end
-  if n + ntok > tonumber(st[5]) then return revoke('overlong', 'overlong_chunks') end
-  if ntok > 0 then
-    n = n + ntok
-    local prior = st[8] or ''
-    redis.call('HSET', req, 'tokens', prior == '' and tokens or (prior .. ',' .. tokens), 'n', n)
-    count(step, 'tokens', ntok)
-    count(step, 'tokens_' .. kind, ntok)
-    firsts[step .. '|' .. kind] = {step, kind .. '_first_at'}
-    if st[6] ~= inst then
-      csv_append(req, 'instances', inst)
-      redis.call('HSET', req, 'last', inst)
-    end
-  end
-  if final ~= '1' then return 'ok', n end
-  redis.call('HSET', req, 'done', '1', 'finish', finish)
-  redis.call('DEL', lease)
-  release_owner(req, rid, held_prefix)
-  redis.call('SREM', leased, rid)
-  redis.call('SADD', step .. ARGV[6], rid)
-  local left = redis.call('HINCRBY', step, 'g:' .. st[7], -1)
-  local remaining = redis.call('HINCRBY', step, 'remaining', -1)
-  if remaining == 0 then return 'step', n end
-  if left == 0 then return 'group', n end
-  return 'final', n
-end
-local out = {}
-for i = 8, #ARGV do
-  local c = cjson.decode(ARGV[i])
-  local status, n = commit(c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8] and '1' or '0',
-                           c[9], c[10], c[11])
-  out[#out + 1] = status .. ' ' .. n
-end
-for step, fields in pairs(counts) do
-  for field, by in pairs(fields) do redis.call('HINCRBY', step, field, by) end
-end
-for _, first in pairs(firsts) do redis.call('HSETNX', first[1], first[2], now) end
-return table.concat(out, ',')  -- one string: far cheaper to parse than a reply per chunk
-"""
-
-# KEYS: req, lease, pending, leased, step | ARGV: rid, instance, ttl_ms, now, held_prefix
-_ASSIGN = """
-local req = KEYS[1]
-if redis.call('HGET', req, 'done') == '1' then return nil end
-if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 0 then return nil end
-local epoch = redis.call('HINCRBY', req, 'epoch', 1)
-redis.call('SET', KEYS[2], ARGV[2] .. ':' .. epoch, 'PX', ARGV[3])
-redis.call('SMOVE', KEYS[3], KEYS[4], ARGV[1])
-redis.call('SADD', ARGV[5] .. ARGV[2] .. ':held', ARGV[1])
-local st = redis.call('HMGET', req, 'n', 'last', 'tokens', 'prompt')
-if tonumber(st[1]) > 0 and st[2] ~= ARGV[2] then redis.call('HINCRBY', KEYS[5], 'migrations', 1) end
-redis.call('HSET', req, 'owner', ARGV[2], 'assigned_at', ARGV[4])
-return {epoch, st[3] or '', st[4]}
-"""
-
-# KEYS: req, lease, pending, leased, step | ARGV: rid, expected_epoch ('' = any), held_prefix,
-# mode ('token': the next owner resumes after the committed tokens; 'request': it starts over)
-_REVOKE = _COMMON + """
-local req = KEYS[1]
-if redis.call('HGET', req, 'done') == '1' then return 0 end
-local cur = redis.call('HGET', req, 'epoch')
-if ARGV[2] ~= '' and cur ~= ARGV[2] then return 0 end
-if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 0 then return 0 end
-redis.call('HINCRBY', req, 'epoch', 1)
-redis.call('DEL', KEYS[2])
-release_owner(req, ARGV[1], ARGV[3])
-redis.call('SMOVE', KEYS[4], KEYS[3], ARGV[1])
--- Waste: tokens the owner last reported generated but not yet published are lost (chunks it
--- published but that arrive after this are counted when they are rejected as stale); in
--- request mode the committed tokens are thrown away too.
-local n = tonumber(redis.call('HGET', req, 'n'))
-local waste = tonumber(redis.call('HGET', req, 'seen') or '0')
-if ARGV[4] == 'request' and n > 0 then
-  waste = waste + n
-  redis.call('HSET', req, 'tokens', '', 'n', 0, 'instances', '', 'last', '')
-  redis.call('HINCRBY', KEYS[5], 'tokens', -n)
-end
-redis.call('HSET', req, 'seen', 0)
-redis.call('HINCRBY', KEYS[5], 'tokens_regenerated', waste)
-return 1
-"""
-
-# ARGV: lease_prefix, req_prefix, instance, ttl_ms, then (rid, epoch, buffered) triples.
-# One round trip per heartbeat however many responses the instance holds.
-_RENEW_MANY = """
-local lost = {}
-for i = 5, #ARGV, 3 do
-  local rid = ARGV[i]
-  local lease = ARGV[1] .. rid
-  if redis.call('GET', lease) == (ARGV[3] .. ':' .. ARGV[i + 1]) then
-    redis.call('PEXPIRE', lease, ARGV[4])
-    redis.call('HSET', ARGV[2] .. rid, 'seen', ARGV[i + 2])
-  else
-    lost[#lost + 1] = rid
-  end
-end
-return lost
-"""
 
 def _csv(values: list[int]) -> str:
     return ",".join(map(str, values))
@@ -213,10 +53,10 @@ class Ledger:
         self.r = redis
         self.migration = migration  # "token" (resume) or "request" (restart: the ablation)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
-        self._commit = redis.register_script(_COMMIT)
-        self._assign = redis.register_script(_ASSIGN)
-        self._revoke = redis.register_script(_REVOKE)
-        self._renew_many = redis.register_script(_RENEW_MANY)
+        self._commit = register(redis, "commit.lua")
+        self._assign = register(redis, "assign.lua")
+        self._revoke = register(redis, "revoke.lua")
+        self._renew_many = register(redis, "renew_many.lua")
         self._held_prefix = Keys.instance("")
         # The commit script finds a step's sets by suffix; names.Keys stays the one definition.
         base = Keys.step("r", 0)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
+from manager_svc.scripts import register
 from shared.names import Keys
 
 RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -48,29 +49,10 @@ class RunSpec(BaseModel):
     seeding: SeedingSpec = Field(default_factory=SeedingSpec)
 
 
-# KEYS: active, queue | ARGV: run key prefix, now
-_ACTIVATE = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  if redis.call('HGET', ARGV[1] .. cur, 'state') == 'running' then return cur end
-  redis.call('DEL', KEYS[1])
-end
-while true do
-  local nxt = redis.call('LPOP', KEYS[2])
-  if not nxt then return false end
-  if redis.call('HGET', ARGV[1] .. nxt, 'state') == 'queued' then
-    redis.call('SET', KEYS[1], nxt)
-    redis.call('HSET', ARGV[1] .. nxt, 'state', 'running', 'updated_at', ARGV[2])
-    return nxt
-  end
-end
-"""
-
-
 class RunStore:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.r = redis
-        self._activate = redis.register_script(_ACTIVATE)
+        self._activate = register(redis, "activate.lua")
 
     async def create(self, spec: RunSpec) -> dict[str, Any]:
         run_id = "run-" + uuid.uuid4().hex[:12]
@@ -108,8 +90,9 @@ class RunStore:
     async def active(self) -> str | None:
         """The running run, activating the next queued one if none is running.
 
-        One atomic script: the manager's handlers call this concurrently, and a check-then-act
-        in Python let one caller see a half-activated run and deactivate it for good.
+        One atomic script (``lua/activate.lua``): the manager's handlers call this
+        concurrently, and a check-then-act in Python let one caller see a half-activated run
+        and deactivate it for good.
         """
         got = await self._activate(keys=[Keys.active, Keys.queue],
                                    args=[Keys.run(""), time.time()])

@@ -28,6 +28,7 @@ from manager_svc.dispatch import Dispatch
 from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
+from manager_svc.scripts import register
 from manager_svc.trainer_api import TrainerProtocol
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
@@ -61,22 +62,6 @@ DEPARTED_TTL_MS = 60_000
 # How long stop() waits for the background loops after cancelling them.
 STOP_WAIT_S = 3.0
 
-# Registration and departure are ordered by Redis: a beat that a process sent just before it
-# released its work either lands first (and is then forgotten by the release) or finds the
-# departure mark and is refused, so a leaver never reappears as alive.
-_REGISTER = """
-local departed = redis.call('GET', KEYS[4])
-if ARGV[3] ~= '' and departed == ARGV[3] then return false end
-if redis.call('HGET', KEYS[1], 'session') ~= ARGV[3] then
-  redis.call('HSET', KEYS[1], 'joined_at', ARGV[5])  -- a new process under this id
-end
-redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[1])))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('SADD', KEYS[2], ARGV[4])
-return redis.call('SMEMBERS', KEYS[3])
-"""
-
-
 class ManagerService(ChunkIngest, Dispatch, TrainerProtocol):
     def __init__(self, cfg: ManagerConfig) -> None:
         self.cfg = cfg
@@ -99,7 +84,7 @@ class ManagerService(ChunkIngest, Dispatch, TrainerProtocol):
         self.nc = await connect_nats(self.cfg.common.nats_url, "manager")
         self.ledger = Ledger(self.redis, self.cfg.lease_ttl_s, self.cfg.migration)
         self.runs = RunStore(self.redis)
-        self._register = self.redis.register_script(_REGISTER)
+        self._register = register(self.redis, "register.lua")
         await ensure_chunk_stream(self.nc.jetstream())
         await self._serve(names.HEARTBEAT, Heartbeat, self.on_heartbeat,
                           key=lambda hb: hb.instance_id)

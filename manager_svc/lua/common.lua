@@ -1,0 +1,12 @@
+-- Helpers shared by the ledger's scripts. Redis scripts cannot include one another: the loader
+-- (manager_svc/scripts.py) puts this text where a script says `-- include: common.lua`.
+local function csv_append(key, field, value)
+  local cur = redis.call('HGET', key, field) or ''
+  if cur == '' then redis.call('HSET', key, field, value)
+  else redis.call('HSET', key, field, cur .. ',' .. value) end
+end
+local function release_owner(req, rid, held_prefix)
+  local owner = redis.call('HGET', req, 'owner')
+  if owner and owner ~= '' then redis.call('SREM', held_prefix .. owner .. ':held', rid) end
+  redis.call('HSET', req, 'owner', '')
+end

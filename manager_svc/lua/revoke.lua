@@ -1,0 +1,26 @@
+-- Takes a response back from its owner: a new epoch fences the old owner's later chunks.
+-- KEYS: req, lease, pending, leased, step | ARGV: rid, expected_epoch ('' = any), held_prefix,
+-- mode ('token': the next owner resumes after the committed tokens; 'request': it starts over)
+-- include: common.lua
+local req = KEYS[1]
+if redis.call('HGET', req, 'done') == '1' then return 0 end
+local cur = redis.call('HGET', req, 'epoch')
+if ARGV[2] ~= '' and cur ~= ARGV[2] then return 0 end
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 0 then return 0 end
+redis.call('HINCRBY', req, 'epoch', 1)
+redis.call('DEL', KEYS[2])
+release_owner(req, ARGV[1], ARGV[3])
+redis.call('SMOVE', KEYS[4], KEYS[3], ARGV[1])
+-- Waste: tokens the owner last reported generated but not yet published are lost (chunks it
+-- published but that arrive after this are counted when they are rejected as stale); in
+-- request mode the committed tokens are thrown away too.
+local n = tonumber(redis.call('HGET', req, 'n'))
+local waste = tonumber(redis.call('HGET', req, 'seen') or '0')
+if ARGV[4] == 'request' and n > 0 then
+  waste = waste + n
+  redis.call('HSET', req, 'tokens', '', 'n', 0, 'instances', '', 'last', '')
+  redis.call('HINCRBY', KEYS[5], 'tokens', -n)
+end
+redis.call('HSET', req, 'seen', 0)
+redis.call('HINCRBY', KEYS[5], 'tokens_regenerated', waste)
+return 1
