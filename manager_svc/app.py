@@ -2,7 +2,8 @@
 
 Contract: JSON in and out; every error is a 4xx with a ``detail`` message. Validation errors are
 422, unknown ids 404, a missing or wrong bearer token 401 (only when RLBOOST_API_TOKEN is set).
-A broker outage is a 503 with a ``detail``; nothing reaches a user as a traceback.
+A broker outage is a 503 with a ``detail``; nothing reaches a user as a traceback. The routes
+read through the service's parts (the run store, the instance registry); none holds state.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
     @app.post("/v1/runs", status_code=201, dependencies=[Depends(auth)])
     async def create_run(spec: RunSpec | None = None) -> dict[str, Any]:
         run = await service.runs.create(spec or RunSpec())
-        service._wake.set()
+        service.soft.wake.set()
         return run
 
     @app.get("/v1/runs", dependencies=[Depends(auth)])
@@ -88,12 +89,12 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
     @app.get("/v1/runs/{run_id}", dependencies=[Depends(auth)])
     async def get_run(run_id: str) -> dict[str, Any]:
         run = await run_or_404(run_id)
-        run["progress"] = await service.step_progress(run_id, run["step"])
+        run["progress"] = await service.runs.step_progress(run_id, run["step"])
         return run
 
     @app.post("/v1/runs/{run_id}/cancel", dependencies=[Depends(auth)])
     async def cancel_run(run_id: str) -> dict[str, Any]:
-        run = await service.cancel(run_id)
+        run = await service.runs.cancel(run_id)
         if run is None:
             raise HTTPException(404, f"no run {run_id!r}")
         return run
@@ -101,7 +102,7 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
     @app.get("/v1/runs/{run_id}/steps", dependencies=[Depends(auth)])
     async def run_steps(run_id: str) -> list[dict[str, Any]]:
         await run_or_404(run_id)
-        return await service.step_records(run_id)
+        return await service.runs.step_records(run_id)
 
     @app.get("/v1/runs/{run_id}/steps/{step}/samples", dependencies=[Depends(auth)])
     async def step_samples(run_id: str, step: int) -> list[dict[str, Any]]:
@@ -113,6 +114,6 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
 
     @app.get("/v1/instances", dependencies=[Depends(auth)])
     async def instances() -> list[dict[str, Any]]:
-        return await service.instances()
+        return await service.registry.instances()
 
     return app

@@ -5,7 +5,9 @@ order by :meth:`~manager_svc.accounting.Ledger.commit_many`, a batch in one Redi
 acked only after their commit, so a manager killed at any point replays at most the unacked
 batch, which the ledger then drops as duplicates. A malformed chunk is counted, logged and
 terminated (never redelivered). A group or step completed by a commit is announced
-(``GroupDone``), and a completed step freezes its digest and announces the barrier.
+(``GroupDone``), and a completed step freezes its digest and announces the barrier (the
+dispatcher calls :meth:`ChunkIngest.barrier` too, for a complete step whose barrier a killed
+manager never announced).
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ import logging
 import time
 
 import msgspec
+import redis.asyncio as aioredis
+from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg as NatsMsg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from manager_svc.parts import ManagerParts
+from manager_svc.accounting import Ledger
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.runs import RunStore
+from manager_svc.soft_state import SoftState
 from shared import names
 from shared.errors import ProtocolError
 from shared.names import Keys
@@ -42,10 +49,17 @@ FETCH_BATCH, FETCH_WAIT_S = 512, 0.5
 PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 
 
-class ChunkIngest(ManagerParts):
-    """Ingest half of :class:`manager_svc.service.ManagerService` (a mixin)."""
+class ChunkIngest:
+    def __init__(self, redis: aioredis.Redis, nc: Nats, ledger: Ledger, runs: RunStore,
+                 metrics: ManagerMetrics, soft: SoftState) -> None:
+        self.redis = redis
+        self.nc = nc
+        self.ledger = ledger
+        self.runs = runs
+        self.metrics = metrics
+        self.soft = soft
 
-    async def _consume_chunks(self) -> None:
+    async def consume(self) -> None:
         """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered
         into a callback subscription: nats-py's ``fetch`` costs two tasks per message."""
         await self.nc.jetstream().pull_subscribe(  # creates (or binds to) the durable consumer
@@ -67,7 +81,7 @@ class ChunkIngest(ManagerParts):
         sub = await self.nc.subscribe(inbox, cb=on_msg)
         try:
             # A request lost to a broker restart never answers: its expiry ends it.
-            while not self._stopping:
+            while not self.soft.stopping:
                 if due[0] <= 0 or time.monotonic() > due[1]:
                     due[:] = [FETCH_BATCH, time.monotonic() + FETCH_WAIT_S]
                     await self.nc.publish(PULL_NEXT, reply=inbox, payload=json.dumps(
@@ -104,7 +118,7 @@ class ChunkIngest(ManagerParts):
                 self.metrics.revocations.labels(result.status).inc()
                 log.info("chunk of %s from %s: %s; taken back", chunk.request_id,
                          chunk.instance_id, result.status)
-                self._wake.set()
+                self.soft.wake.set()
             if result.status in ("group", "step"):
                 run_id, step, prompt, _ = names.parse_request_id(chunk.request_id)
                 spec = (await self.runs.get(run_id) or {}).get("spec", {})
@@ -116,11 +130,11 @@ class ChunkIngest(ManagerParts):
                     event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt))
                 await self.nc.publish(names.group_subject(run_id), event)
                 if result.status == "step":
-                    await self._barrier(run_id, step)
+                    await self.barrier(run_id, step)
         for msg, _ in valid:
             await msg.ack()
 
-    async def _barrier(self, run_id: str, step: int) -> None:
+    async def barrier(self, run_id: str, step: int) -> None:
         """Every response of the step is complete, once: freeze the digest and announce it."""
         samples = await self.ledger.done_samples(run_id, step)
         digest = sample_digest(samples)

@@ -3,7 +3,8 @@
 Contract: a run is created ``queued``, becomes ``running`` when the manager activates it (one at
 a time, FIFO), and ends ``succeeded``, ``failed`` or ``cancelled``. Its record, its finished
 steps and the samples each step trained on are Redis data, so a restarted manager serves them
-unchanged.
+unchanged. :meth:`RunStore.target` is what every instance should serve now (the running run at
+its current step); the step records it serves carry their fault counters read live.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from shared.names import Keys
 
 RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL = ("succeeded", "failed", "cancelled")
+# Step counters that can still move after the step's record is written (a zombie's late chunks).
+LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
+                 "stale_chunks_rejected", "tokens_regenerated")
 
 
 class SeedingSpec(BaseModel):
@@ -98,6 +102,24 @@ class RunStore:
                                    args=[Keys.run(""), time.time()])
         return str(got) if got else None
 
+    async def target(self) -> tuple[str, int] | None:
+        """The running run and the step it is at: what rollout instances should serve now."""
+        run_id = await self.active()
+        if not run_id:
+            return None
+        step = await self.r.hget(Keys.run(run_id), "step")
+        return (run_id, int(step or 0))
+
+    async def cancel(self, run_id: str) -> dict[str, Any] | None:
+        run = await self.get(run_id)
+        if run is None:
+            return None
+        if run["state"] in ("queued", "running"):
+            await self.set_state(run_id, "cancelled")
+            if await self.r.get(Keys.active) == run_id:
+                await self.r.delete(Keys.active)
+        return await self.get(run_id)
+
     async def finish_step(
         self, run_id: str, step: int, record: dict[str, Any], samples_json: str, steps: int
     ) -> None:
@@ -113,6 +135,28 @@ class RunStore:
 
     async def steps(self, run_id: str) -> list[dict[str, Any]]:
         return [json.loads(x) for x in await self.r.lrange(Keys.step_records(run_id), 0, -1)]
+
+    async def step_records(self, run_id: str) -> list[dict[str, Any]]:
+        """Finished-step records with their fault counters read live: a zombie that wakes
+        after its step finished still has its rejected chunks counted against that step."""
+        records = await self.steps(run_id)
+        pipe = self.r.pipeline(transaction=False)
+        for rec in records:
+            pipe.hmget(Keys.step(run_id, rec["step"]), list(LIVE_COUNTERS))
+        for rec, values in zip(records, await pipe.execute(), strict=True):
+            for key, value in zip(LIVE_COUNTERS, values, strict=True):
+                if value is not None:
+                    rec[key] = int(value)
+        return records
+
+    async def step_progress(self, run_id: str, step: int) -> dict[str, Any]:
+        info = await self.r.hgetall(Keys.step(run_id, step))
+        if not info:
+            return {}
+        total = int(info.get("total", 0))
+        return {"step": step, "state": info.get("state"), "responses_total": total,
+                "responses_done": total - int(info.get("remaining", total)),
+                "tokens": int(info.get("tokens", 0))}
 
     async def samples(self, run_id: str, step: int) -> list[dict[str, Any]] | None:
         raw = await self.r.get(Keys.samples(run_id, step))

@@ -2,19 +2,25 @@
 
 Contract: every handler is idempotent (a trainer retries after a lost reply or a restart of
 either side): starting a step twice creates it once, a report for a recorded step is
-acknowledged again, and a report whose digest differs from the barrier's fails the run.
+acknowledged again, and a report whose digest differs from the barrier's fails the run. A
+step's start chooses its seeding window (:mod:`manager_svc.seeding`) from the last step's
+measurements, which the step's report adds to.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import msgspec
+import redis.asyncio as aioredis
 
-from manager_svc.parts import ManagerParts
+from manager_svc.accounting import Ledger
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.registry import Registry
+from manager_svc.runs import LIVE_COUNTERS, RunStore
 from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
+from manager_svc.soft_state import SoftState
 from shared.names import Keys
 from shared.protocol import (
     MESSAGE_BUDGET,
@@ -33,12 +39,17 @@ from shared.protocol import (
 log = logging.getLogger("manager")
 # Samples per reply at most; fewer when they would not fit in one message.
 SAMPLES_PAGE_MAX = 512
-LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
-                 "stale_chunks_rejected", "tokens_regenerated")
 
 
-class TrainerProtocol(ManagerParts):
-    """Trainer-facing half of :class:`manager_svc.service.ManagerService` (a mixin)."""
+class TrainerApi:
+    def __init__(self, redis: aioredis.Redis, ledger: Ledger, runs: RunStore,
+                 registry: Registry, metrics: ManagerMetrics, soft: SoftState) -> None:
+        self.redis = redis
+        self.ledger = ledger
+        self.runs = runs
+        self.registry = registry
+        self.metrics = metrics
+        self.soft = soft
 
     async def on_poll(self, poll: TrainerPoll) -> ActiveRun:
         run_id = await self.runs.active()
@@ -58,7 +69,7 @@ class TrainerProtocol(ManagerParts):
             return Ack(ok=False, detail="prompt count differs from prompts_per_step")
         seeding = await self._seeding(msg.run_id)
         mode = spec["seeding"]["mode"]
-        spot_alive = sum(1 for i in await self.instances()
+        spot_alive = sum(1 for i in await self.registry.instances()
                          if i["kind"] == "spot" and i["state"] != "draining")
         if mode == "adaptive":
             window = next_window(seeding, spot_alive)
@@ -76,7 +87,7 @@ class TrainerProtocol(ManagerParts):
             await self.redis.hset(Keys.seeding(msg.run_id), mapping=seeding.dump())
             log.info("step %d of %s started (seeding %s, window %.2fs, %d spot)", msg.step,
                      msg.run_id, mode, window, spot_alive)
-        self._wake.set()
+        self.soft.wake.set()
         return Ack()
 
     async def _seeding(self, run_id: str) -> SeedingState:
@@ -147,7 +158,7 @@ class TrainerProtocol(ManagerParts):
             "seeding_mode": info.get("mode", "off"),
             "tokens_reserved": int(info.get("tokens_reserved", 0)),
             "tokens_spot": int(info.get("tokens_spot", 0)), "loss": fin.loss,
-            "instances": len(await self.instances()),
+            "instances": len(await self.registry.instances()),
             **{k: int(info.get(k, 0)) for k in LIVE_COUNTERS},
         }
         await self.runs.finish_step(fin.run_id, fin.step, record,
@@ -157,14 +168,14 @@ class TrainerProtocol(ManagerParts):
         self.metrics.step_seconds.observe(record["step_s"])
         log.info("step %d of %s finished: reward %.3f, %.2fs", fin.step, fin.run_id,
                  record["reward_mean"], record["step_s"])
-        self._wake.set()
+        self.soft.wake.set()
         return Ack()
 
     async def _observe_seeding(self, fin: StepFinish, info: dict[str, str], now: float) -> None:
         started = float(info["started_at"])
         done = float(info.get("rollout_done_at", now))
         spot_first = float(info.get("spot_first_at", done))
-        spot = [i for i in await self.instances() if i["kind"] == "spot"]
+        spot = [i for i in await self.registry.instances() if i["kind"] == "spot"]
         # The window actually seen by the reserved side: it ends early at the barrier.
         window = min(float(info.get("window_s", 0.0)), done - started)
         state = await self._seeding(fin.run_id)
@@ -181,35 +192,3 @@ class TrainerProtocol(ManagerParts):
         if await self.redis.get(Keys.active) == msg.run_id:
             await self.redis.delete(Keys.active)
         return Ack()
-
-    async def cancel(self, run_id: str) -> dict[str, Any] | None:
-        run = await self.runs.get(run_id)
-        if run is None:
-            return None
-        if run["state"] in ("queued", "running"):
-            await self.runs.set_state(run_id, "cancelled")
-            if await self.redis.get(Keys.active) == run_id:
-                await self.redis.delete(Keys.active)
-        return await self.runs.get(run_id)
-
-    async def step_records(self, run_id: str) -> list[dict[str, Any]]:
-        """Finished-step records with their fault counters read live: a zombie that wakes
-        after its step finished still has its rejected chunks counted against that step."""
-        records = await self.runs.steps(run_id)
-        pipe = self.redis.pipeline(transaction=False)
-        for rec in records:
-            pipe.hmget(Keys.step(run_id, rec["step"]), list(LIVE_COUNTERS))
-        for rec, values in zip(records, await pipe.execute(), strict=True):
-            for key, value in zip(LIVE_COUNTERS, values, strict=True):
-                if value is not None:
-                    rec[key] = int(value)
-        return records
-
-    async def step_progress(self, run_id: str, step: int) -> dict[str, Any]:
-        info = await self.redis.hgetall(Keys.step(run_id, step))
-        if not info:
-            return {}
-        total = int(info.get("total", 0))
-        return {"step": step, "state": info.get("state"), "responses_total": total,
-                "responses_done": total - int(info.get("remaining", total)),
-                "tokens": int(info.get("tokens", 0))}

@@ -3,9 +3,9 @@
 A service's loops wait on events with timeouts. On Python 3.11 ``asyncio.wait_for`` drops a
 cancel that arrives as the awaited event fires, and a manager stopped at that moment hung on
 SIGTERM (its loop ran on and ``stop()`` awaited it forever). These tests pin the three guards:
-the wait itself passes the cancel on, the manager's loops also end on ``_stopping`` alone, and
-``stop()`` does not wait without bound for a loop that misses its cancel. And a trainer told to
-stop mid-step leaves at once rather than after the step. Real brokers and processes.
+the wait itself passes the cancel on, the manager's loops also end on ``soft.stopping`` alone,
+and ``stop()`` does not wait without bound for a loop that misses its cancel. And a trainer told
+to stop mid-step leaves at once rather than after the step. Real brokers and processes.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ async def service(brokers: Stack, tmp_path: Path) -> AsyncIterator[ManagerServic
     svc = ManagerService(cfg)
     await svc.start()
     yield svc
-    svc._stopping = False  # let stop() run its closing steps whatever the test left
+    svc.soft.stopping = False  # let stop() run its closing steps whatever the test left
     await asyncio.wait_for(svc.stop(), 30.0)
 
 
@@ -98,10 +98,10 @@ async def test_manager_loops_end_on_stopping_even_without_a_cancel(
     service: ManagerService,
 ) -> None:
     assert len(service._tasks) == 2 and not any(t.done() for t in service._tasks)
-    service._wake.set()
-    service._stopping = True
+    service.soft.wake.set()
+    service.soft.stopping = True
     _, running = await asyncio.wait(service._tasks, timeout=5.0)
-    assert not running, f"still running after _stopping: {running}"
+    assert not running, f"still running after soft.stopping: {running}"
     assert all(t.exception() is None for t in service._tasks)
 
 

@@ -16,8 +16,17 @@ import math
 import time
 from typing import Any
 
-from manager_svc.parts import ManagerParts
+import redis.asyncio as aioredis
+from nats.aio.client import Client as Nats
+
+from manager_svc.accounting import Ledger
+from manager_svc.ingest import ChunkIngest
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.registry import Registry
+from manager_svc.runs import RunStore
+from manager_svc.soft_state import SoftState
 from shared import names
+from shared.config import ManagerConfig
 from shared.names import Keys
 from shared.process import wait_event
 from shared.protocol import Assign, Assignment, Handoff, Revoke, encode
@@ -29,37 +38,35 @@ ASSIGN_CONCURRENCY = 32  # assignment scripts in flight at once (one Redis conne
 REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
 
 
-class Dispatch(ManagerParts):
-    """Dispatch half of :class:`manager_svc.service.ManagerService` (a mixin)."""
+class Dispatcher:
+    def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, nc: Nats, ledger: Ledger,
+                 runs: RunStore, registry: Registry, ingest: ChunkIngest,
+                 metrics: ManagerMetrics, soft: SoftState) -> None:
+        self.cfg = cfg
+        self.redis = redis
+        self.nc = nc
+        self.ledger = ledger
+        self.runs = runs
+        self.registry = registry
+        self.ingest = ingest
+        self.metrics = metrics
+        self.soft = soft
+        self._rebalanced: dict[str, float] = {}  # soft state: last rebalance per instance
+        self._idle_since: dict[str, float] = {}  # soft state: when each instance went idle
 
-    _rebalanced: dict[str, float]  # soft state: last rebalance per instance
-    _idle_since: dict[str, float]  # soft state: when each instance went idle
-
-    async def current_target(self) -> tuple[str, int] | None:
-        raise NotImplementedError  # provided by ManagerService
-
-    async def _barrier(self, run_id: str, step: int) -> None:
-        raise NotImplementedError  # provided by ChunkIngest
-
-    async def _count_preemption(self, responses: int) -> None:
-        raise NotImplementedError  # provided by ManagerService
-
-    async def _forget_instance(self, instance_id: str) -> int:
-        raise NotImplementedError  # provided by ManagerService
-
-    async def _dispatch_loop(self) -> None:
+    async def run(self) -> None:
         last_reap = 0.0
-        while not self._stopping:
-            await wait_event(self._wake, self.cfg.dispatch_interval_s)
-            self._wake.clear()
+        while not self.soft.stopping:
+            await wait_event(self.soft.wake, self.cfg.dispatch_interval_s)
+            self.soft.wake.clear()
             if time.monotonic() - last_reap > min(0.5, self.cfg.instance_ttl_s / 2):
                 last_reap = time.monotonic()
-                await self._reap_instances()
+                await self.registry.reap_dead()
                 await self._expire_leases()
             await self.dispatch_once()
 
     async def _active_step(self) -> tuple[str, int, dict[str, str]] | None:
-        target = await self.current_target()
+        target = await self.runs.target()
         if target is None:
             return None
         info = await self.redis.hgetall(Keys.step(*target))
@@ -90,10 +97,10 @@ class Dispatch(ManagerParts):
             return 0
         run_id, step, info = active
         if int(info.get("remaining", 1)) <= 0:
-            await self._barrier(run_id, step)
+            await self.ingest.barrier(run_id, step)
             return 0
         version = int(info["version"])
-        everyone = await self.instances()
+        everyone = await self.registry.instances()
         ready = await self._eligible(run_id, step, info, everyone, [
             i for i in everyone if i["state"] == "ready" and i["run_id"] == run_id
             and i["weight_version"] == version])
@@ -182,7 +189,7 @@ class Dispatch(ManagerParts):
         if len(ready) < 2:
             return
         ids = {i["id"] for i in ready}  # re-read: the held counts changed as work went out
-        ready = [i for i in await self.instances() if i["id"] in ids]
+        ready = [i for i in await self.registry.instances() if i["id"] in ids]
         ready.sort(key=lambda i: i["held"])
         idle, busy = ready[0], ready[-1]
         now = time.monotonic()
@@ -212,15 +219,4 @@ class Dispatch(ManagerParts):
                                   encode(Revoke(request_ids=moved)))
             log.info("moving %d responses off %s (holds %d, %s holds %d)", len(moved),
                      busy["id"], busy["held"], idle["id"], idle["held"])
-            self._wake.set()
-
-    async def _reap_instances(self) -> None:
-        """An instance whose heartbeat key expired is dead: take its work back (hard loss)."""
-        for instance_id in await self.redis.smembers(Keys.instances):
-            if await self.redis.exists(Keys.instance(instance_id)):
-                continue
-            revoked = await self._forget_instance(instance_id)
-            log.warning("instance %s is gone; %d responses go back to the queue",
-                        instance_id, revoked)
-            if revoked:
-                await self._count_preemption(revoked)
+            self.soft.wake.set()

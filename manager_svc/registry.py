@@ -1,0 +1,177 @@
+"""The instance registry: which rollout instances are alive, and taking work back from the gone.
+
+Contract: an instance is a Redis hash that each heartbeat refreshes (``lua/register.lua``) and
+that expires ``instance_ttl_s`` after the last one; the set of the responses it holds is Redis
+data too. A heartbeat renews the leases the instance reports, takes back what it should hold
+but never confirmed, and is answered with the run and weight version to serve. An instance
+leaves in one of two ways: a release (it hands its work back after its last chunks are
+committed, and its session is barred, so a late beat cannot bring it back), or silence (its hash
+expires and :meth:`Registry.reap_dead` takes its work back). Either way its responses go back
+to the pending set through the ledger's revoke, and continue elsewhere from the last committed
+token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from manager_svc.accounting import Ledger
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.runs import RunStore
+from manager_svc.scripts import register
+from manager_svc.soft_state import SoftState
+from shared.config import ManagerConfig
+from shared.names import Keys
+from shared.protocol import Ack, Heartbeat, HeartbeatReply, Release, Target
+
+log = logging.getLogger("manager")
+# An assignment the instance has not confirmed in a heartbeat after this long is taken back.
+LOST_ASSIGNMENT_S = 1.5
+# How long a release waits for the leaving instance's last chunks to be committed.
+RELEASE_COMMIT_WAIT_S = 3.0
+# How long a released session stays barred: far longer than any beat can sit in flight.
+DEPARTED_TTL_MS = 60_000
+
+
+class Registry:
+    def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, ledger: Ledger,
+                 runs: RunStore, metrics: ManagerMetrics, soft: SoftState) -> None:
+        self.cfg = cfg
+        self.redis = redis
+        self.ledger = ledger
+        self.runs = runs
+        self.metrics = metrics
+        self.soft = soft
+        self._register = register(redis, "register.lua")
+
+    async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
+        fields = {
+            "id": hb.instance_id, "kind": hb.kind, "engine": hb.engine, "state": hb.state,
+            "run_id": hb.run_id or "", "weight_version": -1 if hb.weight_version is None
+            else hb.weight_version, "capacity": hb.capacity, "pid": hb.pid,
+            "metrics_port": hb.metrics_port, "last_seen": time.time(), "session": hb.session,
+        }
+        held_rows = await self._register(
+            keys=[Keys.instance(hb.instance_id), Keys.instances,
+                  Keys.instance_held(hb.instance_id), Keys.departed(hb.instance_id)],
+            args=[json.dumps([str(x) for kv in fields.items() for x in kv]),
+                  int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
+                  fields["last_seen"]])
+        if held_rows is None:  # this process already released and left
+            return HeartbeatReply(target=None, revoke=[h.request_id for h in hb.held])
+        server_held = set(held_rows)
+        target = await self.runs.target()
+        reported = {held.request_id for held in hb.held}
+        prefix = f"{target[0]}:" if target else None
+        revoke = [h.request_id for h in hb.held
+                  if prefix is None or not h.request_id.startswith(prefix)]
+        revoke += await self.ledger.renew_many(hb.instance_id, [
+            (h.request_id, h.epoch, h.buffered) for h in hb.held
+            if prefix is not None and h.request_id.startswith(prefix)])
+        now = time.time()
+        for rid in server_held - reported:
+            assigned = await self.redis.hget(Keys.request(rid), "assigned_at")
+            if assigned and now - float(assigned) > LOST_ASSIGNMENT_S and \
+                    await self.ledger.revoke(rid):
+                self.metrics.revocations.labels("lost").inc()
+                log.info("%s never reached %s; taken back", rid, hb.instance_id)
+        return HeartbeatReply(
+            target=Target(run_id=target[0], weight_version=target[1]) if target else None,
+            revoke=revoke,
+        )
+
+    async def on_release(self, rel: Release) -> Ack:
+        await self._await_commits(rel)
+        revoked = 0
+        for held in rel.held:
+            if await self.ledger.revoke(held.request_id, held.epoch):
+                self.metrics.revocations.labels(rel.reason).inc()
+                revoked += 1
+        if rel.held and rel.reason == "preempt":
+            await self._count_preemption(revoked)
+        if rel.leaving:
+            if rel.session:
+                await self.redis.set(Keys.departed(rel.instance_id), rel.session,
+                                     px=DEPARTED_TTL_MS)
+            await self._forget(rel.instance_id)
+        self.soft.wake.set()
+        return Ack()
+
+    async def reap_dead(self) -> None:
+        """An instance whose heartbeat key expired is dead: take its work back (hard loss)."""
+        for instance_id in await self.redis.smembers(Keys.instances):
+            if await self.redis.exists(Keys.instance(instance_id)):
+                continue
+            revoked = await self._forget(instance_id)
+            log.warning("instance %s is gone; %d responses go back to the queue",
+                        instance_id, revoked)
+            if revoked:
+                await self._count_preemption(revoked)
+
+    async def instances(self) -> list[dict[str, Any]]:
+        ids = sorted(await self.redis.smembers(Keys.instances))
+        pipe = self.redis.pipeline(transaction=False)
+        for i in ids:
+            pipe.hgetall(Keys.instance(i))
+            pipe.scard(Keys.instance_held(i))
+        rows = await pipe.execute()
+        out = []
+        for i, (info, held) in zip(ids, zip(rows[::2], rows[1::2], strict=True), strict=True):
+            if not info:
+                continue  # expired: the reaper will take its work back
+            version = int(info.get("weight_version", -1))
+            out.append({
+                "id": i, "kind": info.get("kind"), "state": info.get("state"),
+                "engine": info.get("engine"), "run_id": info.get("run_id") or None,
+                "weight_version": None if version < 0 else version,
+                "capacity": int(info.get("capacity", 1)), "held": int(held),
+                "pid": int(info.get("pid", 0)), "metrics_port": int(info.get("metrics_port", 0)),
+                "last_seen": float(info.get("last_seen", 0)),
+                "joined_at": float(info.get("joined_at", 0)),
+            })
+        return out
+
+    async def _await_commits(self, rel: Release) -> None:
+        """A leaving instance flushed its tokens to the stream before releasing: let the chunk
+        consumer commit them first (bounded), or revoking now would reject them as stale."""
+        # The instance no longer heartbeats: hold its leases for the wait.
+        await self.ledger.renew_many(rel.instance_id, [(h.request_id, h.epoch, 0)
+                                                       for h in rel.held])
+        end = time.monotonic() + RELEASE_COMMIT_WAIT_S
+        while time.monotonic() < end:
+            pipe = self.redis.pipeline(transaction=False)
+            for held in rel.held:
+                pipe.hmget(Keys.request(held.request_id), ["n", "epoch", "done"])
+            rows = await pipe.execute()
+            behind = [h for h, (n, epoch, done) in zip(rel.held, rows, strict=True)
+                      if n is not None and done != "1" and epoch == str(h.epoch)
+                      and int(n) < h.published]
+            if not behind:
+                return
+            await asyncio.sleep(0.02)
+
+    async def _count_preemption(self, responses: int) -> None:
+        target = await self.runs.target()
+        if target:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(Keys.step(*target), "preemptions", 1)
+            pipe.hincrby(Keys.step(*target), "preempted_responses", responses)
+            await pipe.execute()
+
+    async def _forget(self, instance_id: str) -> int:
+        revoked = 0
+        for rid in await self.redis.smembers(Keys.instance_held(instance_id)):
+            if await self.ledger.revoke(rid):
+                self.metrics.revocations.labels("dead").inc()
+                revoked += 1
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(Keys.instance(instance_id), Keys.instance_held(instance_id))
+        pipe.srem(Keys.instances, instance_id)
+        await pipe.execute()
+        return revoked
