@@ -6,6 +6,9 @@ the active step go to ready instances holding the step's weight version: during 
 to everyone (reserved first), after it to spot instances only (see :mod:`manager_svc.seeding`);
 a fair share each, so one fast joiner does not take everything. Dead instances and expired
 leases give their responses back; an instance idle for a while takes work from the busiest.
+
+:meth:`Dispatcher.run` and :meth:`Dispatcher.dispatch_once` are the policy, top to bottom; the
+Redis and NATS mechanics of each stage are the helpers beneath them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -37,6 +41,15 @@ REBALANCE_COOLDOWN_S = 2.0
 ASSIGN_CONCURRENCY = 32  # assignment scripts in flight at once (one Redis connection each)
 REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
 
+Instance = dict[str, Any]  # a row of Registry.instances()
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveStep:
+    run_id: str
+    step: int
+    info: dict[str, str]  # the step's Redis hash, as read at the start of this pass
+
 
 class Dispatcher:
     def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, nc: Nats, ledger: Ledger,
@@ -51,35 +64,63 @@ class Dispatcher:
         self.ingest = ingest
         self.metrics = metrics
         self.soft = soft
+        self._last_reap = 0.0
         self._rebalanced: dict[str, float] = {}  # soft state: last rebalance per instance
         self._idle_since: dict[str, float] = {}  # soft state: when each instance went idle
 
     async def run(self) -> None:
-        last_reap = 0.0
+        """The dispatch loop: one pass per wake-up, or per interval when nothing wakes it."""
         while not self.soft.stopping:
-            await wait_event(self.soft.wake, self.cfg.dispatch_interval_s)
-            self.soft.wake.clear()
-            if time.monotonic() - last_reap > min(0.5, self.cfg.instance_ttl_s / 2):
-                last_reap = time.monotonic()
-                await self.registry.reap_dead()
-                await self._expire_leases()
+            await self._wait_for_wake()
+            if self._reap_due():
+                await self.registry.reap_dead()  # dead instances give their work back,
+                await self._expire_leases()  # and so do leases nobody renewed
             await self.dispatch_once()
 
-    async def _active_step(self) -> tuple[str, int, dict[str, str]] | None:
+    async def dispatch_once(self) -> int:
+        """Lease pending responses of the active step to eligible instances; returns how many."""
+        step = await self._active_step()
+        if step is None:
+            return 0
+        if int(step.info.get("remaining", 1)) <= 0:
+            await self.ingest.barrier(step.run_id, step.step)  # all complete: the barrier
+            return 0
+        ready = await self._eligible(step)  # seeding window, or the hand-off at its end
+        pending = await self.redis.smembers(Keys.pending(step.run_id, step.step))
+        if not ready or not pending:
+            return 0
+        sent, left = await self._lease_fairly(step, ready, pending)
+        if not left and self.cfg.rebalance_skew:
+            await self._rebalance(ready)  # nothing left to lease: even out what is held
+        return sent
+
+    # --- the mechanics of each stage -------------------------------------------------------
+
+    async def _wait_for_wake(self) -> None:
+        await wait_event(self.soft.wake, self.cfg.dispatch_interval_s)
+        self.soft.wake.clear()
+
+    def _reap_due(self) -> bool:
+        """Reaping reads every instance and lease: not every pass, but well within a TTL."""
+        if time.monotonic() - self._last_reap <= min(0.5, self.cfg.instance_ttl_s / 2):
+            return False
+        self._last_reap = time.monotonic()
+        return True
+
+    async def _active_step(self) -> ActiveStep | None:
         target = await self.runs.target()
         if target is None:
             return None
         info = await self.redis.hgetall(Keys.step(*target))
         if not info or info.get("state") != "rollout":
             return None
-        return target[0], target[1], info
+        return ActiveStep(target[0], target[1], info)
 
     async def _expire_leases(self) -> None:
         active = await self._active_step()
         if active is None:
             return
-        run_id, step, _ = active
-        leased = sorted(await self.redis.smembers(Keys.leased(run_id, step)))
+        leased = sorted(await self.redis.smembers(Keys.leased(active.run_id, active.step)))
         if not leased:
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -90,59 +131,15 @@ class Dispatcher:
                 self.metrics.revocations.labels("expired").inc()
                 log.info("lease of %s expired; taken back", rid)
 
-    async def dispatch_once(self) -> int:
-        """Lease pending responses of the active step to ready instances; returns how many."""
-        active = await self._active_step()
-        if active is None:
-            return 0
-        run_id, step, info = active
-        if int(info.get("remaining", 1)) <= 0:
-            await self.ingest.barrier(run_id, step)
-            return 0
-        version = int(info["version"])
+    async def _eligible(self, step: ActiveStep) -> list[Instance]:
+        """Who may take work now: ready instances holding the step's version. During the
+        seeding window everyone ready (reserved first); after it, or with seeding off, only
+        spot instances, unless no spot instance is alive at all, in which case the reserved
+        side generates everything (co-located)."""
+        info, version = step.info, int(step.info["version"])
         everyone = await self.registry.instances()
-        ready = await self._eligible(run_id, step, info, everyone, [
-            i for i in everyone if i["state"] == "ready" and i["run_id"] == run_id
-            and i["weight_version"] == version])
-        pending = await self.redis.smembers(Keys.pending(run_id, step))
-        if not ready or not pending:
-            return 0
-        spec = (await self.runs.get(run_id) or {}).get("spec", {})
-        queue = sorted(pending, key=lambda r: names.parse_request_id(r)[2:])
-        # Fair share of all outstanding work, so one fast-joining instance does not take it all;
-        # reserved instances come first, as the design's seeding order asks.
-        outstanding = len(queue) + sum(i["held"] for i in ready)
-        share = math.ceil(outstanding / len(ready))
-        ready.sort(key=lambda i: (i["kind"] != "reserved", i["held"]))
-        sent = 0
-        for inst in ready:
-            room = min(inst["capacity"], share) - inst["held"]
-            batch: list[Assignment] = []
-            while room > 0 and queue:
-                # Each assignment is its own atomic script; running a slice of them at once
-                # overlaps their round trips (thousands of responses per step otherwise cost
-                # thousands of sequential waits on Redis).
-                n = min(room, ASSIGN_CONCURRENCY)
-                take, queue = queue[:n], queue[n:]
-                got = await asyncio.gather(*(self.ledger.assign(
-                    rid, inst["id"], float(spec.get("temperature", 1.0)),
-                    int(spec.get("seed", 0)), int(info.get("eos", 0))) for rid in take))
-                batch += [a for a in got if a is not None]
-                room -= sum(1 for a in got if a is not None)
-            if batch:
-                self.metrics.assignments.inc(len(batch))
-                await self.nc.publish(names.assign_subject(inst["id"]), encode(Assign(items=batch)))
-                sent += len(batch)
-        if not queue and self.cfg.rebalance_skew:
-            await self._rebalance(ready)
-        return sent
-
-    async def _eligible(self, run_id: str, step: int, info: dict[str, str],
-                        everyone: list[dict[str, Any]], ready: list[dict[str, Any]]
-                        ) -> list[dict[str, Any]]:
-        """Who may take work now. During the seeding window everyone ready (reserved first);
-        after it, or with seeding off, only spot instances, unless no spot instance is alive
-        at all, in which case the reserved side generates everything (co-located)."""
+        ready = [i for i in everyone if i["state"] == "ready" and i["run_id"] == step.run_id
+                 and i["weight_version"] == version]
         mode = info.get("mode", "off")
         if not self.cfg.midstep_join:
             # Ablation: who joined after the step began sits it out, as if it could only get
@@ -154,34 +151,70 @@ class Dispatcher:
             return ready
         spot_alive = any(i["kind"] == "spot" and i["state"] != "draining" for i in everyone)
         if mode != "off" and not info.get("handoff_at"):
-            await self._handoff(run_id, step, everyone, spot_alive)
+            await self._handoff(step, everyone, spot_alive)
         return [i for i in ready if i["kind"] == "spot"] if spot_alive else ready
 
-    async def _handoff(self, run_id: str, step: int, everyone: list[dict[str, Any]],
+    async def _handoff(self, step: ActiveStep, everyone: list[Instance],
                        spot_alive: bool) -> None:
         """End of the seeding window: the reserved side's unfinished responses move to spot
         instances (token-level, the preemption path) and the reserved side starts training."""
-        skey = Keys.step(run_id, step)
+        skey = Keys.step(step.run_id, step.step)
         if not await self.redis.hsetnx(skey, "handoff_at", time.time()):
             return
         if not spot_alive:
             return  # nobody to hand to: the reserved side keeps generating, trains after
-        prefix = f"{run_id}:{step}:"
+        prefix = f"{step.run_id}:{step.step}:"
         for inst in everyone:
             if inst["kind"] != "reserved":
                 continue
             held = [r for r in await self.redis.smembers(Keys.instance_held(inst["id"]))
                     if r.startswith(prefix)]
-            moved = [rid for rid in held if await self.ledger.revoke(rid)]
-            if moved:
-                self.metrics.revocations.labels("handoff").inc(len(moved))
-                await self.nc.publish(names.assign_subject(inst["id"]),
-                                      encode(Revoke(request_ids=moved)))
+            await self._take_back(inst["id"], held, "handoff")
         await self.redis.hset(skey, "reserved_free", 1)
-        await self.nc.publish(names.handoff_subject(run_id),
-                              encode(Handoff(run_id=run_id, step=step)))
+        await self.nc.publish(names.handoff_subject(step.run_id),
+                              encode(Handoff(run_id=step.run_id, step=step.step)))
 
-    async def _rebalance(self, ready: list[dict[str, Any]]) -> None:
+    async def _lease_fairly(self, step: ActiveStep, ready: list[Instance], pending: set[str]
+                            ) -> tuple[int, bool]:
+        """Lease ``pending`` in (prompt, sample) order, reserved instances first (the design's
+        seeding order), each up to a fair share of all outstanding work, so one fast-joining
+        instance does not take it all. Returns how many went out and whether any stayed."""
+        spec = (await self.runs.get(step.run_id) or {}).get("spec", {})
+        queue = sorted(pending, key=lambda r: names.parse_request_id(r)[2:])
+        outstanding = len(queue) + sum(i["held"] for i in ready)
+        share = math.ceil(outstanding / len(ready))
+        ready.sort(key=lambda i: (i["kind"] != "reserved", i["held"]))
+        sent = 0
+        for inst in ready:
+            room = min(inst["capacity"], share) - inst["held"]
+            batch, queue = await self._lease(inst["id"], room, queue, spec,
+                                             int(step.info.get("eos", 0)))
+            if batch:
+                self.metrics.assignments.inc(len(batch))
+                await self.nc.publish(names.assign_subject(inst["id"]), encode(Assign(items=batch)))
+                sent += len(batch)
+        return sent, bool(queue)
+
+    async def _lease(self, instance_id: str, room: int, queue: list[str], spec: dict[str, Any],
+                     eos: int) -> tuple[list[Assignment], list[str]]:
+        """Up to ``room`` responses from the head of ``queue`` to one instance; returns its
+        assignments and what is left of the queue (a response another pass took is skipped)."""
+        batch: list[Assignment] = []
+        while room > 0 and queue:
+            # Each assignment is its own atomic script; running a slice of them at once
+            # overlaps their round trips (thousands of responses per step otherwise cost
+            # thousands of sequential waits on Redis).
+            n = min(room, ASSIGN_CONCURRENCY)
+            take, queue = queue[:n], queue[n:]
+            got = await asyncio.gather(*(self.ledger.assign(
+                rid, instance_id, float(spec.get("temperature", 1.0)),
+                int(spec.get("seed", 0)), eos) for rid in take))
+            leased = [a for a in got if a is not None]
+            batch += leased
+            room -= len(leased)
+        return batch, queue
+
+    async def _rebalance(self, ready: list[Instance]) -> None:
         """Token-level load balancing: when the busiest instance holds more than
         ``rebalance_skew`` responses over the idlest (an instance joined mid-step, or its
         responses ran long), move half the difference, least-advanced responses first. They
@@ -211,12 +244,19 @@ class Dispatcher:
             pipe.hget(Keys.request(rid), "n")
         progress = [int(n or 0) for n in await pipe.execute()]
         move = [rid for _, rid in sorted(zip(progress, held, strict=True))]
-        move = move[:(busy["held"] - idle["held"]) // 2]
-        moved = [rid for rid in move if await self.ledger.revoke(rid)]
+        moved = await self._take_back(busy["id"], move[:(busy["held"] - idle["held"]) // 2],
+                                      "rebalance")
         if moved:
-            self.metrics.revocations.labels("rebalance").inc(len(moved))
-            await self.nc.publish(names.assign_subject(busy["id"]),
-                                  encode(Revoke(request_ids=moved)))
             log.info("moving %d responses off %s (holds %d, %s holds %d)", len(moved),
                      busy["id"], busy["held"], idle["id"], idle["held"])
             self.soft.wake.set()
+
+    async def _take_back(self, instance_id: str, rids: list[str], reason: str) -> list[str]:
+        """Revoke ``rids`` from a live instance and tell it to stop on them; returns the ones
+        actually revoked (a response that completed meanwhile stays where it is)."""
+        moved = [rid for rid in rids if await self.ledger.revoke(rid)]
+        if moved:
+            self.metrics.revocations.labels(reason).inc(len(moved))
+            await self.nc.publish(names.assign_subject(instance_id),
+                                  encode(Revoke(request_ids=moved)))
+        return moved
