@@ -1,7 +1,7 @@
 """``make bench-weights``: weight transfer against raw loopback TCP, and peer fan-out, one run.
 
 Everything is real and on this machine: a ``python -m weight_svc`` process serving a synthetic
-checkpoint (random bytes, ``--gib`` GiB, 64 MiB chunks), pullers using ``shared.weights_client``.
+checkpoint (random bytes, ``--gib`` GiB, 64 MiB chunks), pullers using ``shared.weights``.
 Printed, all measured in this run:
 1. raw loopback TCP: a plain socket ``sendall`` of the checkpoint's bytes (read from the file in
    16 MiB blocks) to a ``recv_into`` that discards them: the baseline. For reference also the
@@ -45,8 +45,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from shared.weights_client import pull_version, upload_version
-from shared.weights_peer import PeerServer
+from shared.weights import PeerServer, pull_version, upload_version
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNK = 64 << 20
@@ -162,7 +161,7 @@ def start_service(data: Path) -> tuple[subprocess.Popen[bytes], str]:
 def joiner(url: str, dest: Path, peers: bool) -> None:
     """One joining instance (run as its own process): pull, keep serving until told to stop."""
     logging.basicConfig(level=logging.WARNING, format=f"joiner {dest.name}: %(message)s")
-    logging.getLogger("shared.weights_pull").setLevel(logging.INFO)  # where its bytes came from
+    logging.getLogger("shared.weights.pull").setLevel(logging.INFO)  # where its bytes came from
     serve = PeerServer(dest, TOKEN) if peers else None
     if serve is not None:
         serve.start()

@@ -45,8 +45,7 @@ from shared.protocol import (
     decode_command,
     encode,
 )
-from shared.weights_client import pull_version
-from shared.weights_peer import PeerServer
+from shared.weights import PeerServer, pull_version
 
 log = logging.getLogger("rollout")
 
@@ -105,7 +104,7 @@ class RolloutService:
         common = self.cfg.common
         self.metrics_port = serve_metrics(self.metrics.registry, common.metrics_addr,
                                           common.metrics_port)
-        # Serves this instance's verified weight chunks to joining peers (shared.weights_peer).
+        # Serves this instance's verified weight chunks to joining peers (shared.weights.peer).
         self.peer = PeerServer.from_env(self.weights_dir, common.weights_token)
         self.peer.start()
         self.nc = await connect_nats(common.nats_url, self.cfg.instance_id)

@@ -16,10 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared import weights_plan
 from shared.errors import ConfigError, WeightsError
-from shared.weights_client import list_peers, pin_version, pull_version, upload_version
-from shared.weights_peer import PeerServer
+from shared.weights import PeerServer, list_peers, pin_version, pull_version, upload_version
+from shared.weights import plan as weights_plan
 from tests.test_weight_svc import REPO, Serve, ServiceProcess, publish, serve  # noqa: F401
 from tests.test_weights_client import assert_same_files, bytes_served, make_model
 
@@ -224,7 +223,7 @@ async def test_newest_two_versions_are_never_collected(serve: Serve) -> None:  #
 PULLER = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
-    from shared.weights_client import pull_version
+    from shared.weights import pull_version
     asyncio.run(pull_version(sys.argv[1], sys.argv[2], "crash", 1, Path(sys.argv[3]), parallel=1))
 """)
 

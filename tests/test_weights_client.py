@@ -1,4 +1,4 @@
-"""shared.weights_client against a real `python -m weight_svc` process (64 KiB chunks)."""
+"""shared.weights (upload, wait, pull) against a real `python -m weight_svc` (64 KiB chunks)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from shared.errors import WeightsError
-from shared.weights_client import pull_version, upload_version, wait_for_version
+from shared.weights import pull_version, upload_version, wait_for_version
 from tests.test_weight_svc import CHUNK, ServiceProcess
 
 TOKEN = "tok"

@@ -1,4 +1,4 @@
-"""The chunk schedule of one pull (shared.weights_plan): which source each chunk comes from when
+"""The chunk schedule of one pull (shared.weights.plan): which source each chunk comes from when
 several joiners start together. Pure scheduling, no sockets: the transfers themselves are tested
 against a real service in test_weights_client and test_weight_peers."""
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from shared import weights_plan
-from shared.weights_manifest import Chunk
-from shared.weights_plan import Plan
+from shared.weights import plan as weights_plan
+from shared.weights.manifest import Chunk
+from shared.weights.plan import Plan
 
 PEER = "http://127.0.0.1:9001"
 

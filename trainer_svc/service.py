@@ -46,7 +46,7 @@ from shared.protocol import (
     decode,
     sample_digest,
 )
-from shared.weights_client import upload_version
+from shared.weights import upload_version
 from trainer_svc import task
 from trainer_svc.policy import Policy, make_policy
 

@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from shared.config import WeightsConfig
-from shared.weights_client import Manifest
+from shared.weights.manifest import Manifest
 from weight_svc.announce import Announcer
 from weight_svc.peers import (
     DATA_PORT_HEADER,

@@ -2,8 +2,8 @@
 
 Contract:
 - :class:`PeerRegistry` remembers, per (run, version), the URLs of rollout instances that serve
-  chunks of it (``shared.weights_peer``). An entry lives ``PEER_TTL_S`` seconds unless the peer
-  registers again (peers refresh every ``shared.weights_peer.REFRESH_S``). It is soft state, held
+  chunks of it (``shared.weights.peer``). An entry lives ``PEER_TTL_S`` seconds unless the peer
+  registers again (peers refresh every ``shared.weights.peer.REFRESH_S``). It is soft state, held
   only in memory on purpose: after a service restart the list is empty for at most one refresh
   period, which costs egress, never correctness (every chunk is verified against the service's
   manifest whoever serves it). URLs are validated (``http://host:port``, nothing else) and the
@@ -23,8 +23,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from shared.errors import ConfigError
-from shared.weights_peer import peer_url_problem
-from shared.weights_serve import RangeError, RangeServer
+from shared.weights.peer import peer_url_problem
+from shared.weights.range_server import RangeError, RangeServer
 from weight_svc.store import Store, StoreError
 
 PEER_TTL_S = 60.0

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from shared.config import env_int
 from shared.errors import WeightsError
-from shared.weights_client import (
+from shared.weights.manifest import (
     MANIFEST_NAME,
     MAX_VERSION,
     ChunkEntry,

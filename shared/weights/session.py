@@ -3,7 +3,7 @@
 Contract: :class:`Session` retries transport errors and 5xx with backoff, either a fixed number of
 times or until ``patience_s`` pass without :meth:`Session.progress`; a 4xx is a non-retryable
 :class:`WeightsError` at once (401 with a hint about the token). Only small JSON calls and uploads
-use it; chunk downloads go through :mod:`shared.weights_fetch`.
+use it; chunk downloads go through :mod:`shared.weights.fetch`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from shared.errors import WeightsError
-from shared.weights_manifest import Manifest
+from shared.weights.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

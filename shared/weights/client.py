@@ -1,17 +1,15 @@
-"""Client of the weight service: the one import for trainers and rollout instances.
+"""Calls on the weight service other than pulling (that is :mod:`shared.weights.pull`).
 
-Contract:
+Trainers and rollout instances import these through :mod:`shared.weights`. Contract:
 - :func:`upload_version` streams every file of a flat HF model directory to the service (never
   whole in memory: the body is read 1 MiB at a time as the socket takes it), then commits; it
   returns the manifest. Idempotent: uploading a version that is already published with the same
   content returns its manifest; different content is an error.
-- :func:`pull_version` (:mod:`shared.weights_pull`) makes ``dest_root/<run_id>/<version>/`` hold
-  exactly the version's files, every chunk verified, from the service and optionally from peers.
 - :func:`wait_for_version` polls until a version is published.
 - :func:`pin_version` / :func:`unpin_version`: a pinned version is never collected. The service
   already keeps the newest two (the step being rolled out and the one being published); a caller
   that needs an older one for longer pins it for as long as it does.
-- :func:`list_peers` names the peers that serve a version (see :mod:`shared.weights_peer`).
+- :func:`list_peers` names the peers that serve a version (see :mod:`shared.weights.peer`).
 
 Every failure is a :class:`WeightsError`; ``retryable`` is False where retrying cannot help (a bad
 name, conflicting content, a chunk corrupt at the source, a rejected token).
@@ -28,37 +26,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from shared.errors import WeightsError
-from shared.weights_http import Session
-from shared.weights_manifest import (
-    MANIFEST_NAME,
-    MAX_VERSION,
-    ChunkEntry,
-    FileEntry,
-    Manifest,
-    check_ids,
-    valid_name,
-    valid_run_id,
-    valid_version,
-)
-from shared.weights_pull import CHUNK_TRIES, pull_version
-
-__all__ = [
-    "CHUNK_TRIES",
-    "MANIFEST_NAME",
-    "MAX_VERSION",
-    "ChunkEntry",
-    "FileEntry",
-    "Manifest",
-    "list_peers",
-    "pin_version",
-    "pull_version",
-    "unpin_version",
-    "upload_version",
-    "valid_name",
-    "valid_run_id",
-    "valid_version",
-    "wait_for_version",
-]
+from shared.weights.manifest import Manifest, check_ids, valid_name
+from shared.weights.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Pulling one version: which chunk comes from where, and the worker threads that fetch them.
 
-Contract of :func:`pull_version` (re-exported by :mod:`shared.weights_client`):
+Contract of :func:`pull_version` (exported by :mod:`shared.weights`):
 - ``dest_root/<run_id>/<version>/`` ends up holding exactly the version's files, every chunk
   verified by sha256 against the service's manifest, whoever served it; it appears by one rename
-  (see :mod:`shared.weights_partial`), so a crash leaves at most ``.partial-<version>/``, which the
+  (see :mod:`shared.weights.partial`), so a crash leaves at most ``.partial-<version>/``, which the
   next pull resumes. An existing final directory is returned without asking the service. One pull
   of a given version into a given ``dest_root`` at a time.
 - Chunks come from the service's sendfile data plane (or its REST API if it advertises none) and,
@@ -11,7 +11,7 @@ Contract of :func:`pull_version` (re-exported by :mod:`shared.weights_client`):
   chunk no live peer has or is fetching, chosen at random (alone: in an order that starts at a
   random chunk), so joiners that start together fetch different chunks from the service and then
   exchange them (chunk-level availability: a peer advertises the chunks it has verified so far and
-  those it is fetching from the service; see :mod:`shared.weights_plan`). A peer that fails is
+  those it is fetching from the service; see :mod:`shared.weights.plan`). A peer that fails is
   dropped and its chunk fetched elsewhere; a chunk a peer served with bad bytes is refetched from
   the service only.
 - With ``serve`` (a running :class:`PeerServer`), this pull's verified chunks are offered to others
@@ -35,12 +35,12 @@ import httpx
 
 from shared.errors import WeightsError
 from shared.process import wait_event
-from shared.weights_fetch import BLOCK, RangeConn, SourceError, Stopped
-from shared.weights_http import Session
-from shared.weights_manifest import Chunk, check_ids, check_manifest
-from shared.weights_partial import Partial, local_manifest
-from shared.weights_peer import PEER_PREFIX, PeerServer
-from shared.weights_plan import Plan
+from shared.weights.fetch import BLOCK, RangeConn, SourceError, Stopped
+from shared.weights.manifest import Chunk, check_ids, check_manifest
+from shared.weights.partial import Partial, local_manifest
+from shared.weights.peer import PEER_PREFIX, PeerServer
+from shared.weights.plan import Plan
+from shared.weights.session import Session
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import random
 import threading
 import time
 
-from shared.weights_manifest import Chunk
+from shared.weights.manifest import Chunk
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from shared.weights_manifest import valid_name, valid_run_id, valid_version
+from shared.weights.manifest import valid_name, valid_run_id, valid_version
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Contract: a :class:`PeerServer` serves, from this instance's weights directory,
     GET /v1/peer/<run>/<version>/have           {"complete": bool, "chunks": [index, ...],
                                                  "fetching": [index, ...]}
 and nothing else. It serves only bytes it has verified: a complete pulled version (its final
-directory, published by :func:`shared.weights_pull.pull_version` after every chunk matched), or,
+directory, published by :func:`shared.weights.pull.pull_version` after every chunk matched), or,
 while a pull is running, exactly the chunks that pull recorded as verified (chunk-level
 availability, so joiners that start together feed each other); ``fetching`` lists the chunks that
 pull has in flight from the service, so other joiners wait for them instead of fetching the same
@@ -41,9 +41,9 @@ from urllib.parse import urlsplit
 import httpx
 
 from shared.errors import ConfigError
-from shared.weights_manifest import MANIFEST_NAME, Chunk, Manifest, chunks_of
-from shared.weights_partial import local_manifest
-from shared.weights_serve import RangeError, RangeServer
+from shared.weights.manifest import MANIFEST_NAME, Chunk, Manifest, chunks_of
+from shared.weights.partial import local_manifest
+from shared.weights.range_server import RangeError, RangeServer
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit
 
-from shared.weights_manifest import Chunk
+from shared.weights.manifest import Chunk
 
 BLOCK = 1 << 20  # receive/hash/write unit; large enough that per-block Python cost vanishes
 MAX_HEAD = 64 << 10  # a reply head longer than this is not from a weight service

@@ -24,8 +24,8 @@ import threading
 from pathlib import Path
 
 from shared.errors import WeightsError
-from shared.weights_fetch import start_writeback
-from shared.weights_manifest import MANIFEST_NAME, Chunk, Manifest, check_manifest, chunks_of
+from shared.weights.fetch import start_writeback
+from shared.weights.manifest import MANIFEST_NAME, Chunk, Manifest, check_manifest, chunks_of
 
 log = logging.getLogger(__name__)
 
