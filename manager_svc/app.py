@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from manager_svc.runs import RunSpec
 from manager_svc.service import ManagerService
+from shared.settings import reveal
 
 log = logging.getLogger("manager.api")
 
@@ -39,7 +40,7 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
                 await service.stop()
 
     app = FastAPI(title="rlboost manager", version="0.1.0", lifespan=lifespan)
-    token = service.cfg.common.api_token
+    token = reveal(service.cfg.common.api_token)
 
     async def auth(request: Request) -> None:
         if token is None:

@@ -91,7 +91,7 @@ class ManagerService:
             asyncio.create_task(self._supervised(self.ingest.consume), name="chunk-ingest"),
             asyncio.create_task(self._supervised(self.dispatcher.run), name="dispatch"),
         ]
-        log.info("manager started: %s", self.cfg.common.describe())
+        log.info("manager started: %s", self.cfg.describe())
 
     def _wire(self) -> None:
         """The parts, each given what it uses; none reaches another except through these."""

@@ -8,7 +8,7 @@ need not pay a Python process per instance. SIGTERM is a preemption notice for a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +25,7 @@ def build(cfg: RolloutConfig) -> list[RolloutService]:
     if cfg.instances > 1 and cfg.engine != "emu":
         raise ConfigError("RLBOOST_EMU_INSTANCES", "several instances per process need emu")
     configs = [cfg] if cfg.instances == 1 else [
-        dataclasses.replace(cfg, instance_id=f"{cfg.instance_id}-{k}")
+        cfg.model_copy(update={"instance_id": f"{cfg.instance_id}-{k}"})
         for k in range(cfg.instances)]
     try:
         model = serving_model(cfg.emu_model)
@@ -70,6 +70,7 @@ def main() -> None:
     die_with_parent()
     cfg = RolloutConfig.from_env()
     setup_logging(cfg.common.log_level, f"rollout[{cfg.instance_id}]")
+    logging.getLogger("rollout").info("rollout config: %s", cfg.describe())
     asyncio.run(serve(build(cfg)))
 
 

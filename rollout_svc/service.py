@@ -45,6 +45,7 @@ from shared.protocol import (
     decode_command,
     encode,
 )
+from shared.settings import reveal
 from shared.weights import PeerServer, pull_version
 
 log = logging.getLogger("rollout")
@@ -105,7 +106,8 @@ class RolloutService:
         self.metrics_port = serve_metrics(self.metrics.registry, common.metrics_addr,
                                           common.metrics_port)
         # Serves this instance's verified weight chunks to joining peers (shared.weights.peer).
-        self.peer = PeerServer.from_env(self.weights_dir, common.weights_token)
+        self.peer = PeerServer.from_config(self.weights_dir, reveal(common.weights_token),
+                                           self.cfg.peer)
         self.peer.start()
         self.nc = await connect_nats(common.nats_url, self.cfg.instance_id)
         self.js = self.nc.jetstream()
@@ -220,7 +222,7 @@ class RolloutService:
         self.state = "loading"
         try:
             common = self.cfg.common
-            path = await pull_version(common.weights_url, common.weights_token, run_id,
+            path = await pull_version(common.weights_url, reveal(common.weights_token), run_id,
                                       version, self.weights_dir, timeout_s=30.0,
                                       peers=True, serve=self.peer)
             with self.metrics.load_seconds.time():

@@ -1,70 +1,44 @@
-"""Configuration: one object per service, read from an injectable environment, validated once.
+"""Configuration: one settings class per service, read from an injectable environment.
 
 The names are the design's interface (compose files, docs and tests use them verbatim):
 RLBOOST_NATS_URL, RLBOOST_REDIS_URL, RLBOOST_MANAGER_URL, RLBOOST_WEIGHTS_URL, RLBOOST_API_TOKEN,
 RLBOOST_ENGINE, RLBOOST_INSTANCE_KIND, RLBOOST_DATA_DIR, RLBOOST_INSTANCE_ID. The tuning knobs
-below them have defaults that suit one machine; each is documented where it is read.
+below them have defaults that suit one machine. Each field names its variable and says what it
+does; the README's settings table lists them all (a test holds the two together).
+
+``XConfig.from_env(env)`` reads ``env`` (default os.environ) and raises ConfigError naming the
+first bad variable; credentials are ``SecretStr`` (:func:`shared.settings.reveal` where one is
+sent), and :meth:`~shared.settings.Settings.describe` is what a service logs at start-up. How a
+setting is read, checked and masked lives in :mod:`shared.settings`.
 """
 
 from __future__ import annotations
 
-import os
 import shlex
 import socket
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
-from shared.errors import ConfigError
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_settings import NoDecode
+
+from shared.settings import Settings, UrlOf, setting
 
 Engine = Literal["torch", "sglang", "emu"]
 ENGINES: tuple[Engine, ...] = ("torch", "sglang", "emu")
-_NATS, _REDIS, _HTTP = ("nats", "tls"), ("redis", "rediss"), ("http", "https")
-
-
-def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ...]) -> str:
-    value = env.get(name, "") or default
-    parsed = urlparse(value)
-    if parsed.scheme not in schemes or not parsed.hostname:
-        raise ConfigError(name, f"expected a {'/'.join(schemes)} URL, got {value!r}")
-    return value
-
-
-def _float(env: Mapping[str, str], name: str, default: float, minimum: float = 0.0) -> float:
-    raw = env.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(name, f"expected a number, got {raw!r}") from None
-    if value < minimum:
-        raise ConfigError(name, f"must be >= {minimum}, got {value}")
-    return value
-
-
-def env_int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
-    """An integer setting: ``default`` when unset; a ConfigError naming it when bad."""
-    raw = env.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(name, f"expected an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ConfigError(name, f"must be >= {minimum}, got {value}")
-    return value
-
-
-def _choice(env: Mapping[str, str], name: str, default: str, options: tuple[str, ...]) -> Any:
-    value = env.get(name) or default
-    if value not in options:
-        raise ConfigError(name, f"one of {', '.join(options)}, got {value!r}")
-    return value
+NatsUrl = Annotated[str, UrlOf(("nats", "tls"))]
+RedisUrl = Annotated[str, UrlOf(("redis", "rediss"))]
+HttpUrl = Annotated[str, UrlOf(("http", "https"))]
+Port = Annotated[int, Field(ge=0, le=65535)]  # 0 = any free port
 
 
 def url_port(url: str, default: int) -> int:
@@ -72,152 +46,177 @@ def url_port(url: str, default: int) -> int:
     return urlparse(url).port or default
 
 
-@dataclass(frozen=True, slots=True)
-class Common:
-    nats_url: str
-    redis_url: str
-    manager_url: str
-    weights_url: str
-    api_token: str | None
-    weights_token: str | None  # RLBOOST_WEIGHTS_TOKEN, else the API token
-    data_dir: Path
-    log_level: str
-    torch_threads: int | None  # RLBOOST_TORCH_THREADS: intra-op threads of torch services
-    metrics_addr: str  # RLBOOST_METRICS_ADDR: where trainer/rollout serve /metrics
-    metrics_port: int  # RLBOOST_METRICS_PORT: 0 = any free port
-    emu_time_scale: float  # RLBOOST_EMU_TIME_SCALE: multiplies every modelled GPU time
+def _on_off(value: Any) -> Any:
+    """'on' / 'off' (the ablation switches' spelling) as a bool; anything else is refused."""
+    if isinstance(value, str):
+        if value not in ("on", "off"):
+            raise ValueError(f"one of on, off, got {value!r}")
+        return value == "on"
+    return value
 
+
+def _shell_words(value: Any) -> Any:
+    return tuple(shlex.split(value)) if isinstance(value, str) else value
+
+
+class Common(Settings):
+    """What every service reads: where the others are, credentials, data, logs, metrics."""
+
+    nats_url: NatsUrl = setting("RLBOOST_NATS_URL", "nats://127.0.0.1:4222", "the NATS server")
+    redis_url: RedisUrl = setting(
+        "RLBOOST_REDIS_URL", "redis://127.0.0.1:6379/0", "the Redis server (and database)")
+    manager_url: HttpUrl = setting(
+        "RLBOOST_MANAGER_URL", "http://127.0.0.1:8000", "the manager's REST API; it listens on "
+        "this URL's port")
+    weights_url: HttpUrl = setting(
+        "RLBOOST_WEIGHTS_URL", "http://127.0.0.1:8001", "the weight service; it listens on this "
+        "URL's port")
+    api_token: SecretStr | None = setting(
+        "RLBOOST_API_TOKEN", None, "REST bearer token; unset = open (local dev only)")
+    weights_token: SecretStr | None = setting(
+        "RLBOOST_WEIGHTS_TOKEN", None, "the weight service's bearer token (it, the trainer, "
+        "rollout instances and their peers); unset = RLBOOST_API_TOKEN",
+        fallback="RLBOOST_API_TOKEN")
+    data_dir: Annotated[Path, AfterValidator(Path.resolve)] = setting(
+        "RLBOOST_DATA_DIR", Path("./data"), "where a service keeps its files")
+    log_level: Annotated[str, AfterValidator(str.upper)] = setting(
+        "RLBOOST_LOG_LEVEL", "INFO", "Python logging level")
+    torch_threads: Annotated[int | None, AfterValidator(lambda n: n or None)] = setting(
+        "RLBOOST_TORCH_THREADS", None, "intra-op threads of torch services; 0 = torch's choice",
+        ge=0)
+    metrics_addr: str = setting(
+        "RLBOOST_METRICS_ADDR", "127.0.0.1", "where trainer and rollout serve /metrics")
+    metrics_port: int = setting(
+        "RLBOOST_METRICS_PORT", 0, "port of that /metrics; 0 = any free port", ge=0)
+    emu_time_scale: float = setting(
+        "RLBOOST_EMU_TIME_SCALE", 1.0, "emu: multiplies every modelled GPU time", ge=0.0)
+
+
+class ManagerConfig(Settings):
+    """The manager: leases, liveness, dispatch, migration and load balancing."""
+
+    common: Common = Field(default_factory=Common)
+    lease_ttl_s: float = setting(
+        "RLBOOST_LEASE_TTL_S", 3.0, "a response whose lease is not renewed for this long is "
+        "taken back", ge=0.2)
+    instance_ttl_s: float = setting(
+        "RLBOOST_INSTANCE_TTL_S", 3.0, "an instance silent for this long is dead", ge=0.2)
+    dispatch_interval_s: float = setting(
+        "RLBOOST_DISPATCH_INTERVAL_S", 0.05, "dispatch loop period (it also wakes on events)",
+        ge=0.001)
+    migration: Literal["token", "request"] = setting(
+        "RLBOOST_MIGRATION", "token", "a moved response resumes from its committed tokens "
+        "(token) or restarts (request: ablation)")
+    rebalance_skew: int = setting(
+        "RLBOOST_REBALANCE_SKEW", 2, "move work when the busiest instance has this many more "
+        "responses than the idlest (0 = never)", ge=0)
+    # Off is the ablation of pull-based weights: as if they were pushed at step boundaries.
+    midstep_join: Annotated[bool, BeforeValidator(_on_off)] = setting(
+        "RLBOOST_MIDSTEP_JOIN", "on", "on: an instance joining mid-step takes work at once; "
+        "off: it waits for the next step (ablation)")
+
+
+class PeerConfig(Settings):
+    """A rollout instance's chunk server for joining peers (shared.weights.peer)."""
+
+    addr: str = setting("RLBOOST_PEER_ADDR", "127.0.0.1", "address the peer chunk server binds")
+    port: Port = setting("RLBOOST_PEER_PORT", 0, "its port; 0 = any free port")
+    url: str | None = setting(
+        "RLBOOST_PEER_URL", None, "the http://host:port peers are told to use (a published "
+        "port); unset = derived from the bind address")
+
+
+class RolloutConfig(Settings):
+    """One rollout process: its engine, identity, streaming, preemption notices, peers."""
+
+    common: Common = Field(default_factory=Common)
+    peer: PeerConfig = Field(default_factory=PeerConfig)
+    engine: Engine = setting(
+        "RLBOOST_ENGINE", "torch", "the generation engine: torch, sglang or emu (emulated GPU)")
+    kind: Literal["reserved", "spot"] = setting(
+        "RLBOOST_INSTANCE_KIND", "spot", "reserved or spot")
+    instance_id: str = setting(
+        "RLBOOST_INSTANCE_ID", "", "this instance's stable name; unset = kind-host-random")
+    heartbeat_s: float = setting(
+        "RLBOOST_HEARTBEAT_S", 0.5, "heartbeat period; leases are renewed on each beat",
+        ge=0.05)
+    chunk_tokens: int = setting("RLBOOST_CHUNK_TOKENS", 4, "tokens per streamed chunk", ge=1)
+    max_batch: int = setting("RLBOOST_MAX_BATCH", 32, "responses generated concurrently", ge=1)
+    grace_s: float = setting(
+        "RLBOOST_GRACE_S", 30.0, "after a preemption notice, hand work back and leave within "
+        "this", ge=0.0)
+    notice: Literal["off", "aws", "gcp"] = setting(
+        "RLBOOST_PREEMPTION_NOTICE", "off", "also poll this cloud's metadata server for "
+        "preemption notices")
+    metadata_url: str | None = setting(
+        "RLBOOST_METADATA_URL", None, "that metadata server; unset = the cloud's own address")
+    notice_poll_s: float = setting(
+        "RLBOOST_NOTICE_POLL_S", 5.0, "how often to poll it", ge=0.05)
+    sglang_url: HttpUrl | None = setting(
+        "RLBOOST_SGLANG_URL", None, "sglang: attach to this server; unset = start one")
+    sglang_args: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_shell_words)] = setting(
+        "RLBOOST_SGLANG_ARGS", (), "sglang: extra launch_server flags (shell words)")
+    instances: int = setting(
+        "RLBOOST_EMU_INSTANCES", 1, "emu: instances served by this one process (ids get -0, "
+        "-1, ...)", ge=1)
+    emu_model: str = setting(
+        "RLBOOST_EMU_MODEL", "emu-8b", "emu: serving-cost preset (rollout_svc.emu_models)")
+
+    @field_validator("instance_id")
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Common:
-        return cls(
-            nats_url=_url(env, "RLBOOST_NATS_URL", "nats://127.0.0.1:4222", _NATS),
-            redis_url=_url(env, "RLBOOST_REDIS_URL", "redis://127.0.0.1:6379/0", _REDIS),
-            manager_url=_url(env, "RLBOOST_MANAGER_URL", "http://127.0.0.1:8000", _HTTP),
-            weights_url=_url(env, "RLBOOST_WEIGHTS_URL", "http://127.0.0.1:8001", _HTTP),
-            api_token=env.get("RLBOOST_API_TOKEN") or None,
-            weights_token=env.get("RLBOOST_WEIGHTS_TOKEN") or env.get("RLBOOST_API_TOKEN") or None,
-            torch_threads=env_int(env, "RLBOOST_TORCH_THREADS", 0, 0) or None,
-            metrics_addr=env.get("RLBOOST_METRICS_ADDR") or "127.0.0.1",
-            metrics_port=env_int(env, "RLBOOST_METRICS_PORT", 0, 0),
-            emu_time_scale=_float(env, "RLBOOST_EMU_TIME_SCALE", 1.0, 0.0),
-            data_dir=Path(env.get("RLBOOST_DATA_DIR") or "./data").resolve(),
-            log_level=(env.get("RLBOOST_LOG_LEVEL") or "INFO").upper(),
-        )
-
-    def describe(self) -> dict[str, object]:
-        """For the one start-up log line: every field, secrets masked."""
-        out: dict[str, object] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = "***" if "token" in f.name and value else str(value)
-        return out
+    def _instance_id(cls, value: str, info: ValidationInfo) -> str:
+        # Unset: a name that is new on each start; RLBOOST_INSTANCE_ID keeps one across restarts.
+        value = value or f"{info.data.get('kind', 'spot')}-{socket.gethostname()}-" \
+            f"{uuid.uuid4().hex[:6]}"
+        if not value.replace("-", "").replace("_", "").isalnum():
+            raise ValueError("letters, digits, '-' and '_' only")
+        return value
 
 
-@dataclass(frozen=True, slots=True)
-class ManagerConfig:
-    common: Common
-    lease_ttl_s: float  # a response whose lease is not renewed for this long is taken back
-    instance_ttl_s: float  # an instance silent for this long is dead
-    dispatch_interval_s: float  # dispatch loop period (it also wakes on events)
-    migration: Literal["token", "request"]  # resume from committed tokens, or restart (ablation)
-    rebalance_skew: int  # move work when busiest - idlest instance exceeds this (0 = never)
-    # Off (ablation): an instance that joins mid-step waits for the next step, as if weights
-    # were pushed only at step boundaries instead of pulled on arrival.
-    midstep_join: bool
+class TrainerConfig(Settings):
+    """The trainer: its name and how often it polls the manager."""
 
+    common: Common = Field(default_factory=Common)
+    trainer_id: str = setting(
+        "RLBOOST_TRAINER_ID", "", "the trainer's name; unset = trainer-<host>")
+    poll_s: float = setting(
+        "RLBOOST_TRAINER_POLL_S", 0.5, "how often the trainer polls for work and for the "
+        "barrier", ge=0.01)
+
+    @field_validator("trainer_id")
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ManagerConfig:
-        env = os.environ if env is None else env
-        return cls(
-            common=Common.from_env(env),
-            lease_ttl_s=_float(env, "RLBOOST_LEASE_TTL_S", 3.0, 0.2),
-            instance_ttl_s=_float(env, "RLBOOST_INSTANCE_TTL_S", 3.0, 0.2),
-            dispatch_interval_s=_float(env, "RLBOOST_DISPATCH_INTERVAL_S", 0.05, 0.001),
-            migration=_choice(env, "RLBOOST_MIGRATION", "token", ("token", "request")),
-            rebalance_skew=env_int(env, "RLBOOST_REBALANCE_SKEW", 2, 0),
-            midstep_join=_choice(env, "RLBOOST_MIDSTEP_JOIN", "on", ("on", "off")) == "on",
-        )
+    def _trainer_id(cls, value: str) -> str:
+        return value or f"trainer-{socket.gethostname()}"
 
 
-@dataclass(frozen=True, slots=True)
-class RolloutConfig:
-    common: Common
-    engine: Engine
-    kind: Literal["reserved", "spot"]
-    instance_id: str
-    heartbeat_s: float  # heartbeat period; leases are renewed on each beat
-    chunk_tokens: int  # tokens per streamed chunk
-    max_batch: int  # responses generated concurrently
-    grace_s: float  # preemption notice: hand work back and leave within this
-    notice: Literal["off", "aws", "gcp"]  # poll this cloud's metadata for preemption notices
-    metadata_url: str | None  # the metadata server (default: the cloud's own address)
-    notice_poll_s: float  # how often to poll it
-    sglang_url: str | None  # RLBOOST_SGLANG_URL: attach to this SGLang server; unset = start one
-    sglang_args: tuple[str, ...]  # RLBOOST_SGLANG_ARGS: extra launch_server flags (shell words)
-    instances: int  # emu only: instances served by this one process (ids get -0, -1, ...)
-    emu_model: str  # emu only: serving-cost preset (rollout_svc.emu_models), e.g. emu-32b
+class WeightsConfig(Settings):
+    """The weight service: retention, chunking, upload limit, data-plane port."""
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> RolloutConfig:
-        env = os.environ if env is None else env
-        engine = env.get("RLBOOST_ENGINE") or "torch"
-        if engine not in ENGINES:
-            raise ConfigError("RLBOOST_ENGINE", f"one of {', '.join(ENGINES)}, got {engine!r}")
-        kind = env.get("RLBOOST_INSTANCE_KIND") or "spot"
-        if kind not in ("reserved", "spot"):
-            raise ConfigError("RLBOOST_INSTANCE_KIND", f"reserved or spot, got {kind!r}")
-        default_id = f"{kind}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-        instance_id = env.get("RLBOOST_INSTANCE_ID") or default_id
-        if not instance_id.replace("-", "").replace("_", "").isalnum():
-            raise ConfigError("RLBOOST_INSTANCE_ID", "letters, digits, '-' and '_' only")
-        return cls(
-            common=Common.from_env(env),
-            engine=engine,
-            kind=cast(Literal["reserved", "spot"], kind),
-            instance_id=instance_id,
-            heartbeat_s=_float(env, "RLBOOST_HEARTBEAT_S", 0.5, 0.05),
-            chunk_tokens=env_int(env, "RLBOOST_CHUNK_TOKENS", 4, 1),
-            max_batch=env_int(env, "RLBOOST_MAX_BATCH", 32, 1),
-            grace_s=_float(env, "RLBOOST_GRACE_S", 30.0, 0.0),
-            notice=_choice(env, "RLBOOST_PREEMPTION_NOTICE", "off", ("off", "aws", "gcp")),
-            metadata_url=env.get("RLBOOST_METADATA_URL") or None,
-            notice_poll_s=_float(env, "RLBOOST_NOTICE_POLL_S", 5.0, 0.05),
-            instances=env_int(env, "RLBOOST_EMU_INSTANCES", 1, 1),
-            emu_model=env.get("RLBOOST_EMU_MODEL") or "emu-8b",
-            sglang_url=_url(env, "RLBOOST_SGLANG_URL", "", _HTTP)
-            if env.get("RLBOOST_SGLANG_URL") else None,
-            sglang_args=tuple(shlex.split(env.get("RLBOOST_SGLANG_ARGS") or "")),
-        )
+    common: Common = Field(default_factory=Common)
+    keep_last: int = setting(
+        "RLBOOST_WEIGHTS_KEEP", 3, "versions kept per run (never fewer than the newest two, "
+        "nor a pinned one)", ge=1)
+    chunk_bytes: int = setting(
+        "RLBOOST_WEIGHTS_CHUNK_BYTES", 4 << 20, "the unit of download, verification and resume",
+        ge=1)
+    max_file_bytes: int = setting(
+        "RLBOOST_WEIGHTS_MAX_FILE_BYTES", 8 << 30, "a larger upload is refused with 413", ge=1)
+    data_port: Port = setting(
+        "RLBOOST_WEIGHTS_DATA_PORT", 0, "port of the sendfile download server; 0 = any free "
+        "port")
+
+    @property
+    def token(self) -> SecretStr | None:
+        """The bearer token the service requires: RLBOOST_WEIGHTS_TOKEN, else the API token."""
+        return self.common.weights_token
 
 
-@dataclass(frozen=True, slots=True)
-class TrainerConfig:
-    common: Common
-    trainer_id: str
-    poll_s: float  # how often the trainer polls for work and for the barrier
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> TrainerConfig:
-        env = os.environ if env is None else env
-        return cls(
-            common=Common.from_env(env),
-            trainer_id=env.get("RLBOOST_TRAINER_ID") or f"trainer-{socket.gethostname()}",
-            poll_s=_float(env, "RLBOOST_TRAINER_POLL_S", 0.5, 0.01),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class WeightsConfig:
-    common: Common
-    keep_last: int  # versions kept per run; older ones are collected
-    token: str | None  # RLBOOST_WEIGHTS_TOKEN, else the API token
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> WeightsConfig:
-        env = os.environ if env is None else env
-        common = Common.from_env(env)
-        return cls(
-            common=common,
-            keep_last=env_int(env, "RLBOOST_WEIGHTS_KEEP", 3, 1),
-            token=common.weights_token,
-        )
+# Every settings class by the service(s) that read it: the README's settings table, row source.
+SETTINGS: dict[str, type[Settings]] = {
+    "all": Common,
+    "manager": ManagerConfig,
+    "rollout": RolloutConfig,
+    "rollout (peers)": PeerConfig,
+    "trainer": TrainerConfig,
+    "weights": WeightsConfig,
+}

@@ -46,6 +46,7 @@ from shared.protocol import (
     decode,
     sample_digest,
 )
+from shared.settings import reveal
 from shared.weights import upload_version
 from trainer_svc import task
 from trainer_svc.policy import Policy, make_policy
@@ -90,7 +91,7 @@ class TrainerService:
         await self.nc.subscribe(names.group_subject("*"), cb=self._on_group)
         await self.nc.subscribe(names.barrier_subject("*"), cb=self._on_barrier)
         await self.nc.subscribe(names.handoff_subject("*"), cb=self._on_barrier)
-        log.info("trainer %s ready: %s", self.cfg.trainer_id, self.cfg.common.describe())
+        log.info("trainer %s ready: %s", self.cfg.trainer_id, self.cfg.describe())
         try:
             while not self._stop.is_set():
                 await self._until_stopped(self._tick())
@@ -202,8 +203,8 @@ class TrainerService:
         return run
 
     async def _publish(self, run: ActiveTraining, version: int) -> None:
-        await upload_version(self.cfg.common.weights_url, self.cfg.common.weights_token, run.run_id,
-                             version, run.policy.checkpoints.hf_dir(version))
+        await upload_version(self.cfg.common.weights_url, reveal(self.cfg.common.weights_token),
+                             run.run_id, version, run.policy.checkpoints.hf_dir(version))
 
     # --- one step --------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ from shared.logs import setup_logging
 from shared.process import die_with_parent
 from weight_svc.app import create_app
 from weight_svc.peers import bind_host
-from weight_svc.store import StoreLimits
 
 log = logging.getLogger("weight_svc")
 
@@ -33,23 +32,12 @@ GRACEFUL_SHUTDOWN_S = 10  # long downloads are cut after this; clients resume by
 def main() -> None:
     die_with_parent()
     cfg = WeightsConfig.from_env()
-    limits = StoreLimits.from_env()
     setup_logging(cfg.common.log_level, "weights")
     host, port = bind_host(cfg.common.weights_url), url_port(cfg.common.weights_url, DEFAULT_PORT)
-    log.info(
-        "weight service config: %s keep_last=%d token=%s chunk_bytes=%d max_file_bytes=%d "
-        "listen=%s:%d",
-        cfg.common.describe(),
-        cfg.keep_last,
-        "***" if cfg.token else None,
-        limits.chunk_bytes,
-        limits.max_file_bytes,
-        host,
-        port,
-    )
+    log.info("weight service config: %s listen=%s:%d", cfg.describe(), host, port)
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(cfg, limits),
+            create_app(cfg),
             host=host,
             port=port,
             log_config=None,  # keep the root logging set up above

@@ -57,6 +57,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from shared.config import WeightsConfig
+from shared.settings import reveal
 from shared.weights.manifest import Manifest
 from weight_svc.announce import Announcer
 from weight_svc.peers import (
@@ -65,7 +66,6 @@ from weight_svc.peers import (
     PeerRegistry,
     bind_host,
     check_peer_url,
-    data_port,
 )
 from weight_svc.store import Store, StoreError, StoreLimits, check_ids
 
@@ -120,17 +120,14 @@ class PeerIn(BaseModel):
     url: str = Field(max_length=300)  # http://host:port of the peer's chunk server
 
 
-def create_app(
-    cfg: WeightsConfig, limits: StoreLimits | None = None, env: Mapping[str, str] | None = None
-) -> FastAPI:
-    """The service; ``limits`` default to RLBOOST_WEIGHTS_CHUNK_BYTES / _MAX_FILE_BYTES and the
-    data plane's port to RLBOOST_WEIGHTS_DATA_PORT, both read from ``env`` (os.environ)."""
-    env = os.environ if env is None else env
-    store = Store(cfg.common.data_dir, limits or StoreLimits.from_env(env))
+def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI:
+    """The service; ``limits`` default to the configured ones (tests pass small chunks)."""
+    store = Store(cfg.common.data_dir, limits or StoreLimits.of(cfg))
+    token = reveal(cfg.token)
     metrics = Metrics()
     peers = PeerRegistry()
     data = DataPlane(
-        store, bind_host(cfg.common.weights_url), data_port(env), cfg.token,
+        store, bind_host(cfg.common.weights_url), cfg.data_port, token,
         metrics.bytes_served.inc,
     )
     announcer = Announcer(cfg.common.nats_url)
@@ -161,11 +158,11 @@ def create_app(
     app = FastAPI(title="rlboost weight service", lifespan=lifespan)
 
     async def require_token(request: Request) -> None:
-        if cfg.token is None:
+        if token is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         # compare_digest: the time a comparison takes must not leak how much of a guess matched
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), cfg.token.encode())
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
         if not ok:
             detail = "missing or wrong bearer token"
             raise HTTPException(401, detail, {"WWW-Authenticate": "Bearer"})

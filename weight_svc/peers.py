@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-from shared.errors import ConfigError
 from shared.weights.peer import peer_url_problem
 from shared.weights.range_server import RangeError, RangeServer
 from weight_svc.store import Store, StoreError
@@ -86,13 +85,6 @@ class PeerRegistry:
                 self._peers[key] = live
             else:
                 del self._peers[key]
-
-
-def data_port(env: Mapping[str, str]) -> int:
-    raw = env.get("RLBOOST_WEIGHTS_DATA_PORT", "") or "0"
-    if not raw.isdigit() or int(raw) > 65535:
-        raise ConfigError("RLBOOST_WEIGHTS_DATA_PORT", f"expected a port 0..65535, got {raw!r}")
-    return int(raw)
 
 
 class DataPlane:

@@ -22,11 +22,10 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import env_int
+from shared.config import WeightsConfig
 from shared.errors import WeightsError
 from shared.weights.manifest import (
     MANIFEST_NAME,
@@ -38,8 +37,6 @@ from shared.weights.manifest import (
     valid_run_id,
 )
 
-DEFAULT_CHUNK_BYTES = 4 << 20
-DEFAULT_MAX_FILE_BYTES = 8 << 30
 # The newest two versions are never collected, whatever K: the step being rolled out uses the
 # newest or (while the trainer publishes the next) the one before, and an instance that joins
 # mid-step must still find it. Anything held longer is pinned by its user.
@@ -57,22 +54,14 @@ class StoreError(WeightsError):
 
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
-    """Knobs the shared WeightsConfig does not carry; read from the same environment."""
+    """The store's sizes; the service takes them from WeightsConfig, tests choose their own."""
 
-    # RLBOOST_WEIGHTS_CHUNK_BYTES: the unit of download, verification and resume
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    # RLBOOST_WEIGHTS_MAX_FILE_BYTES: a larger upload is refused with 413
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    chunk_bytes: int  # the unit of download, verification and resume
+    max_file_bytes: int  # a larger upload is refused with 413
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> StoreLimits:
-        env = os.environ if env is None else env
-        return cls(
-            chunk_bytes=env_int(env, "RLBOOST_WEIGHTS_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, 1),
-            max_file_bytes=env_int(
-                env, "RLBOOST_WEIGHTS_MAX_FILE_BYTES", DEFAULT_MAX_FILE_BYTES, 1
-            ),
-        )
+    def of(cls, cfg: WeightsConfig) -> StoreLimits:
+        return cls(chunk_bytes=cfg.chunk_bytes, max_file_bytes=cfg.max_file_bytes)
 
 
 def check_ids(run_id: str, version: int | None = None, name: str | None = None) -> None:

@@ -11,7 +11,8 @@ availability, so joiners that start together feed each other); ``fetching`` list
 pull has in flight from the service, so other joiners wait for them instead of fetching the same
 bytes from the service at the same time. Any other range is 404. It
 requires the weights token when one is set, binds RLBOOST_PEER_ADDR (default 127.0.0.1) on
-RLBOOST_PEER_PORT (default any free port), and announces itself to the weight service
+RLBOOST_PEER_PORT (default any free port; both read by :class:`shared.config.PeerConfig`), and
+announces itself to the weight service
 (``POST /v1/weights/<run>/<version>/peers``) for every version it serves, refreshing every
 ``REFRESH_S`` (the service forgets a peer after 60 s) until the version is gone from disk.
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import re
 import socket
 import threading
@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from shared.config import PeerConfig
 from shared.errors import ConfigError
 from shared.weights.manifest import MANIFEST_NAME, Chunk, Manifest, chunks_of
 from shared.weights.partial import local_manifest
@@ -136,18 +137,16 @@ class PeerServer:
         self._refused: set[str] = set()  # services told nothing: our URL is loopback to them
 
     @classmethod
+    def from_config(cls, weights_dir: Path, token: str | None, cfg: PeerConfig) -> PeerServer:
+        if cfg.url is not None:
+            check_url(cfg.url, "RLBOOST_PEER_URL")
+        return cls(weights_dir, token, cfg.addr, cfg.port, cfg.url)
+
+    @classmethod
     def from_env(
         cls, weights_dir: Path, token: str | None, env: Mapping[str, str] | None = None
     ) -> PeerServer:
-        env = os.environ if env is None else env
-        port = env.get("RLBOOST_PEER_PORT", "") or "0"
-        if not port.isdigit() or int(port) > 65535:
-            raise ConfigError("RLBOOST_PEER_PORT", f"expected a port 0..65535, got {port!r}")
-        advertise = env.get("RLBOOST_PEER_URL") or None
-        if advertise is not None:
-            check_url(advertise, "RLBOOST_PEER_URL")
-        return cls(weights_dir, token, env.get("RLBOOST_PEER_ADDR") or "127.0.0.1", int(port),
-                   advertise)
+        return cls.from_config(weights_dir, token, PeerConfig.from_env(env))
 
     def start(self) -> None:
         self.server.start()
