@@ -1,10 +1,13 @@
-"""Settings (shared.config on shared.settings): the names, the rules, the masking.
+"""Settings (shared.config on shared.settings): the names, the rules, the masking, the README.
 
 No processes: each class reads an injected mapping. What the whole stack logs with real
 credentials is tests/test_secrets_in_logs.py.
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
@@ -21,8 +24,32 @@ from shared.config import (
 from shared.errors import ConfigError
 from shared.settings import PREFIX, env_names, mask_url, reveal
 
+README = Path(__file__).resolve().parent.parent / "README.md"
 NATS = "nats://manager:n4ts-pw@127.0.0.1:4222"
 REDIS = "redis://:r3dis-pw@127.0.0.1:6379/0"
+
+
+def every_setting() -> dict[str, str]:
+    """Each variable a settings class reads, first choice only, and the service reading it."""
+    return {env_names(field)[0]: service for service, cls in SETTINGS.items()
+            for field in cls.model_fields.values() if env_names(field)}
+
+
+def readme_table() -> dict[str, str]:
+    """The README's settings table: variable -> the "read by" column."""
+    section = README.read_text().split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(RLBOOST_[A-Z0-9_]+)` \| ([^|]+) \|", section, re.MULTILINE)
+    return {name: service.strip() for name, service in rows}
+
+
+def test_readme_table_lists_every_setting_and_no_other() -> None:
+    names = every_setting()
+    assert "RLBOOST_NATS_URL" in names and "RLBOOST_PEER_PORT" in names  # the walk works
+    table = readme_table()
+    missing, unknown = names.keys() - table, table.keys() - names
+    assert not missing, f"settings missing from README's table: {missing}"
+    assert not unknown, f"README's table lists settings no class reads: {unknown}"
+    assert table == names, "the README's 'read by' column disagrees with shared.config.SETTINGS"
 
 
 def test_every_name_has_the_prefix_and_a_meaning() -> None:
