@@ -31,11 +31,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from shared.errors import RlboostError
+from shared.protocol import FinishReason
 
-FinishReason = Literal["stop", "length"]
 ENGINE_NAMES = ("torch", "emu", "sglang")
 
 

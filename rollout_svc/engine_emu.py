@@ -33,13 +33,13 @@ from statistics import NormalDist
 
 from rollout_svc.engine import (
     EngineError,
-    FinishReason,
     GenRequest,
     Inbox,
     TokenEvent,
     check_request,
     finished_on_arrival,
 )
+from shared.protocol import FinishReason
 from shared.sampling import uniform
 
 _NORMAL = NormalDist()
