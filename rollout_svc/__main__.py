@@ -12,8 +12,8 @@ import dataclasses
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-from rollout_svc.emu_models import serving_model
-from rollout_svc.engine import create_engine
+from rollout_svc.engines import create_engine
+from rollout_svc.engines.emu_models import serving_model
 from rollout_svc.service import RolloutService
 from shared.config import RolloutConfig
 from shared.errors import ConfigError

@@ -6,7 +6,7 @@ CPU machine, with an exact oracle: ``expected_tokens(req)`` is the response a fa
 produces, and a response resumed from any committed prefix, on any engine instance, in any
 batch, continues with exactly those tokens.
 
-Contract (see ``rollout_svc.engine``): token ids in, ``TokenEvent``s out; the engine knows
+Contract (see ``rollout_svc.engines.base``): token ids in, ``TokenEvent``s out; the engine knows
 nothing about NATS; it's purely token id sequences.
 
 * Token at position ``pos``: ``int(u * 1e9 + weight_version * 7919) % (vocab_size - 3) + 3``
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 
-from rollout_svc.engine import (
+from rollout_svc.engines.base import (
     EngineError,
     GenRequest,
     Inbox,
