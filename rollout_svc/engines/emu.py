@@ -46,8 +46,9 @@ _NORMAL = NormalDist()
 _FIRST_TOKEN = 3  # ids below this are reserved (pad/bos/eos in most vocabularies)
 
 # Latency model. ASSUMPTION, not measurement: an 8B dense model in bf16 served by SGLang on
-# one H100 (3.35 TB/s HBM, ~990 dense bf16 TFLOP/s), reasoning-length contexts of a few
-# thousand tokens. Replace with numbers measured on the target hardware before quoting them.
+# one H100 (3.35 TB/s HBM, ~990 dense bf16 TFLOP/s: shared.hardware), reasoning-length
+# contexts of a few thousand tokens. Replace with numbers measured on the target hardware
+# before quoting them.
 #
 # Decode floor per step: reading 16 GB of weights at ~3.35 TB/s is ~5 ms; with kernel launch
 # and scheduler overhead SGLang sits near 10 ms at batch 1.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.hardware import H100_BF16_FLOPS, H100_HBM_BYTES_S
 from trainer_svc import task
 from trainer_svc.checkpoint import RunCheckpoints
 
@@ -29,7 +30,7 @@ class ComputeModel:
     params: float  # parameters
     gpus: int  # reserved GPUs training it
     mfu: float  # model FLOPs utilisation reached by the training framework
-    peak_flops: float = 989e12  # H100 SXM dense bf16 peak, NVIDIA datasheet
+    peak_flops: float = H100_BF16_FLOPS  # per GPU
     checkpoint_bytes: int = 64 * 1024  # size of the placeholder weights actually transferred
 
     @property
@@ -41,8 +42,8 @@ class ComputeModel:
     @property
     def optimizer_step_s(self) -> float:
         # AdamW touches params, grads and two moments in fp32: 16 bytes/param, sharded over
-        # the GPUs at ~3.35 TB/s HBM each, taken at 50 % efficiency.
-        return 16 * self.params / (self.gpus * 3.35e12 * 0.5)
+        # the GPUs at their HBM bandwidth each, taken at 50 % efficiency.
+        return 16 * self.params / (self.gpus * H100_HBM_BYTES_S * 0.5)
 
 
 # MFU 0.35-0.40 is what Megatron/FSDP report for dense 8B-32B training on H100 clusters.
