@@ -33,8 +33,8 @@ import redis
 
 from rlboost.launcher import Child, Cluster
 from rollout_svc.__main__ import build
-from rollout_svc.engine import GenRequest
-from rollout_svc.engine_emu import EmuEngine
+from rollout_svc.engines import GenRequest
+from rollout_svc.engines.emu import EmuEngine
 from shared import names
 from shared import protocol as wire
 from shared.bus import connect_nats, request

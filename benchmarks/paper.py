@@ -1,10 +1,11 @@
 """``make bench-paper``: the paper's headline on one machine, policy by policy.
 
 EMULATION of GPU time on the real control plane. Rollout instances run the ``emu`` engine
-(decode/prefill/load times of the chosen model class on H100s, ``rollout_svc.emu_models``);
-the trainer waits the modelled training time (``trainer_svc.policy.PRESETS``). The manager,
-weight service, NATS JetStream, Redis, leases, migration and weight pulls are the real system,
-and spot instances are real processes started and preempted by a real availability trace.
+(decode/prefill/load times of the chosen model class on H100s,
+``rollout_svc.engines.emu_models``); the trainer waits the modelled training time
+(``trainer_svc.policies.emu.PRESETS``). The manager, weight service, NATS JetStream, Redis, leases,
+migration and weight pulls are the real system, and spot instances are real processes started
+and preempted by a real availability trace.
 
 Every policy runs the same workload on a fresh cluster. Spot policies replay the same trace
 segment from the start of step 1 (step 0, which includes start-up, is not measured); a policy
@@ -33,10 +34,10 @@ import httpx
 from benchmarks import paper_report
 from benchmarks.trace import Trace, TracePlayer, load
 from rlboost.launcher import Cluster
-from rollout_svc.emu_models import serving_model
+from rollout_svc.engines.emu_models import serving_model
 from shared.process import exit_on_sigterm
 from shared.stack import Stack
-from trainer_svc.policy import PRESETS
+from trainer_svc.policies import PRESETS
 
 # Engine/manager settings shared by every policy. Chunks of 32 tokens keep the control plane's
 # message rate within what two shared cores ingest; a notice flushes them, so nothing is lost.

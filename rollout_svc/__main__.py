@@ -12,8 +12,8 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-from rollout_svc.emu_models import serving_model
-from rollout_svc.engine import create_engine
+from rollout_svc.engines import create_engine
+from rollout_svc.engines.emu_models import serving_model
 from rollout_svc.service import RolloutService
 from shared.config import RolloutConfig
 from shared.errors import ConfigError
@@ -41,9 +41,9 @@ def build(cfg: RolloutConfig) -> list[RolloutService]:
             options.update(model.engine_options())
             if c.kind == "reserved":
                 # A reserved instance shares GPUs with the trainer that just produced the
-                # version: it swaps weights in device memory (~0.5 s for 16 GB at NVLink/HBM
-                # speeds) instead of pulling and loading a checkpoint like a spot instance.
-                options["load_s"] = 0.5 * model.params / 8e9 / model.gpus
+                # version: it swaps weights in device memory instead of pulling and loading a
+                # checkpoint like a spot instance.
+                options["load_s"] = model.swap_s
         if c.engine == "sglang":
             options["url"], options["launch_args"] = c.sglang_url, c.sglang_args
         services.append(RolloutService(c, create_engine(c.engine, **options)))

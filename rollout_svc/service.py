@@ -23,7 +23,7 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from rollout_svc.engine import Engine, EngineError, GenRequest
+from rollout_svc.engines import Engine, EngineError, GenRequest
 from rollout_svc.notice import NoticePoller
 from shared import names
 from shared.bus import connect_nats, request

@@ -31,7 +31,7 @@ from rlboost.launcher import Child
 from shared.stack import _binary, free_port, wait_port
 from tests.conftest import wait_run
 from tests.invariants import check_run
-from trainer_svc.policy import PRESETS, EmuPolicy
+from trainer_svc.policies import PRESETS, EmuPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"

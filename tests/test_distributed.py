@@ -28,10 +28,10 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from trainer_svc import distributed, task
-from trainer_svc.distributed import DistributedPolicy, Launch
+from trainer_svc import task
 from trainer_svc.model import tiny_config
-from trainer_svc.policy import Policy, TorchPolicy, make_policy
+from trainer_svc.policies import Policy, TorchPolicy, distributed, make_policy
+from trainer_svc.policies.distributed import DistributedPolicy, Launch
 
 LR = 1e-2
 ATOL = 1e-10

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rollout_svc.engine import EngineError, GenRequest, TokenEvent, create_engine
-from rollout_svc.engine_emu import EmuEngine
+from rollout_svc.engines import EngineError, GenRequest, TokenEvent, create_engine
+from rollout_svc.engines.emu import EmuEngine
 
 EOS = 2
 

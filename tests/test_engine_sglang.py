@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_svc.engine import EngineError, GenRequest, TokenEvent
-from rollout_svc.engine_sglang import SGLangEngine
+from rollout_svc.engines import EngineError, GenRequest, TokenEvent
+from rollout_svc.engines.sglang import SGLangEngine
 from shared.stack import free_port, wait_port
 from tests.sglang_standin import VOCAB
 

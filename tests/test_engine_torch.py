@@ -8,9 +8,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rollout_svc import engine_torch
-from rollout_svc.engine import EngineError, GenRequest, TokenEvent, create_engine
-from rollout_svc.engine_torch import TorchEngine
+from rollout_svc.engines import EngineError, GenRequest, TokenEvent, create_engine, torch_engine
+from rollout_svc.engines.torch_engine import TorchEngine
 
 VOCAB = 16
 EOS = 15
@@ -128,13 +127,13 @@ def test_cached_batched_logits_equal_unbatched_full_forward(
     model_dirs: tuple[Path, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: dict[tuple[str, int], torch.Tensor] = {}
-    real = engine_torch.sample_token
+    real = torch_engine.sample_token
 
     def recording(logits: torch.Tensor, req: GenRequest, position: int) -> int:
         seen[(req.request_id, position)] = logits.clone()
         return real(logits, req, position)
 
-    monkeypatch.setattr(engine_torch, "sample_token", recording)
+    monkeypatch.setattr(torch_engine, "sample_token", recording)
     reqs = [_req(i, max_new_tokens=10) for i in range(5)]
     reqs[2].committed_token_ids = [3, 4, 5]
     engine = _engine(model_dirs[0])

@@ -25,12 +25,12 @@ import httpx
 import pytest
 
 from rlboost.launcher import Child, Cluster
-from rollout_svc.engine import GenRequest
-from rollout_svc.engine_emu import EmuEngine
+from rollout_svc.engines import GenRequest
+from rollout_svc.engines.emu import EmuEngine
 from shared.stack import Stack, wait_port
 from tests.conftest import start_cluster, wait_run
 from tests.invariants import check_run, step_records
-from trainer_svc.policy import PRESETS, EmuPolicy
+from trainer_svc.policies import PRESETS, EmuPolicy
 
 FAST = {
     "RLBOOST_EMU_TIME_SCALE": "1.0",

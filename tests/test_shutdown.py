@@ -28,7 +28,7 @@ from shared.process import wait_event
 from shared.stack import Stack, free_port
 from tests.conftest import start_cluster, wait_run
 from tests.invariants import check_run
-from trainer_svc.policy import PRESETS, EmuPolicy
+from trainer_svc.policies import PRESETS, EmuPolicy
 
 EMU_REWARD = EmuPolicy(PRESETS["emu"], Path("/nonexistent"), 0.0).reward
 

@@ -1,9 +1,9 @@
 """``python -m trainer_svc``: read config, set up logging, train runs until SIGTERM.
 
 Under ``torchrun --nproc-per-node N -m trainer_svc`` rank 0 is this same service (its policy
-spreads the work, see :mod:`trainer_svc.distributed`) and ranks > 0 serve rank 0's commands.
-When rank 0 stops (SIGTERM, SIGINT) it sends the workers Stop before leaving the group; when
-torchrun itself is signalled it signals every rank, and a worker simply exits.
+spreads the work, see :mod:`trainer_svc.policies.distributed`) and ranks > 0 serve rank 0's
+commands. When rank 0 stops (SIGTERM, SIGINT) it sends the workers Stop before leaving the
+group; when torchrun itself is signalled it signals every rank, and a worker simply exits.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from shared.config import TrainerConfig
 from shared.logs import setup_logging
 from shared.process import die_with_parent
-from trainer_svc import distributed
+from trainer_svc.policies import distributed
 from trainer_svc.service import TrainerService
 
 

@@ -49,7 +49,7 @@ from shared.protocol import (
 from shared.settings import reveal
 from shared.weights import upload_version
 from trainer_svc import task
-from trainer_svc.policy import Policy, make_policy
+from trainer_svc.policies import Policy, make_policy
 
 log = logging.getLogger("trainer")
 

@@ -4,8 +4,8 @@ Contract:
 
 - Rank 0 runs the ordinary trainer service (NATS, REST, checkpoints, publishing). Its policy is
   a :class:`DistributedPolicy`, which has the same interface as
-  :class:`~trainer_svc.policy.TorchPolicy`; the service cannot tell the two apart. Ranks > 0
-  run :func:`worker_loop` and never touch the network beyond the process group.
+  :class:`~trainer_svc.policies.torch_policy.TorchPolicy`; the service cannot tell the two
+  apart. Ranks > 0 run :func:`worker_loop` and never touch the network beyond the process group.
 - Every call on rank 0's policy that changes training state is first broadcast as a command
   (the dataclasses below) on a dedicated gloo *command group*, so every rank sees one total
   order of commands. ``setup`` opens a run (the model directory is resolved by rank 0 first,
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from trainer_svc.checkpoint import RunCheckpoints
 from trainer_svc.grpo import learning_rate_at
-from trainer_svc.policy import TorchPolicy
+from trainer_svc.policies.torch_policy import TorchPolicy
 
 log = logging.getLogger("trainer.dist")
 

@@ -1,6 +1,6 @@
 """The embedded CPU engine: any HF causal LM run by torch with a KV cache, in waves.
 
-Contract (see ``rollout_svc.engine``): token ids in, ``TokenEvent``s out, one token per active
+Contract (see ``rollout_svc.engines.base``): token ids in, ``TokenEvent``s out, one token per active
 request per ``step()``; sampling is keyed by (seed, step, prompt, sample, position) so the
 output does not depend on batching or on where a response resumes. The engine knows nothing
 about NATS; it's purely token id sequences.
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from rollout_svc.engine import (
+from rollout_svc.engines.base import (
     EngineError,
     GenRequest,
     Inbox,

@@ -1,4 +1,4 @@
-"""Generation engines behind one interface: token ids in, token events out.
+"""The interface every generation engine keeps: token ids in, token events out.
 
 The engine knows nothing about NATS, Redis, leases or tokenizers; it's purely token id
 sequences. The instance service drives it: it calls ``step()`` over and over in one worker
@@ -31,12 +31,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Protocol
 
 from shared.errors import RlboostError
-
-FinishReason = Literal["stop", "length"]
-ENGINE_NAMES = ("torch", "emu", "sglang")
+from shared.protocol import FinishReason
 
 
 @dataclass(slots=True)
@@ -171,22 +169,3 @@ class Inbox:
             self._pending = []
             self._aborted = set()
         return ids
-
-
-def create_engine(name: str, **options: Any) -> Engine:
-    """Build the engine ``RLBOOST_ENGINE`` names; ``options`` go to its constructor."""
-    # Imported here so the emulator never pulls in torch/transformers and vice versa.
-    if name == "torch":
-        from rollout_svc.engine_torch import TorchEngine
-
-        return TorchEngine(**options)
-    if name == "emu":
-        from rollout_svc.engine_emu import EmuEngine
-
-        return EmuEngine(**options)
-    if name == "sglang":
-        # The GPU engine drives an SGLang server over HTTP; sglang itself is never imported.
-        from rollout_svc.engine_sglang import SGLangEngine
-
-        return SGLangEngine(**options)
-    raise EngineError(f"unknown engine {name!r}; expected one of {', '.join(ENGINE_NAMES)}")

@@ -6,7 +6,7 @@ CPU machine, with an exact oracle: ``expected_tokens(req)`` is the response a fa
 produces, and a response resumed from any committed prefix, on any engine instance, in any
 batch, continues with exactly those tokens.
 
-Contract (see ``rollout_svc.engine``): token ids in, ``TokenEvent``s out; the engine knows
+Contract (see ``rollout_svc.engines.base``): token ids in, ``TokenEvent``s out; the engine knows
 nothing about NATS; it's purely token id sequences.
 
 * Token at position ``pos``: ``int(u * 1e9 + weight_version * 7919) % (vocab_size - 3) + 3``
@@ -31,23 +31,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 
-from rollout_svc.engine import (
+from rollout_svc.engines.base import (
     EngineError,
-    FinishReason,
     GenRequest,
     Inbox,
     TokenEvent,
     check_request,
     finished_on_arrival,
 )
+from shared.protocol import FinishReason
 from shared.sampling import uniform
 
 _NORMAL = NormalDist()
 _FIRST_TOKEN = 3  # ids below this are reserved (pad/bos/eos in most vocabularies)
 
 # Latency model. ASSUMPTION, not measurement: an 8B dense model in bf16 served by SGLang on
-# one H100 (3.35 TB/s HBM, ~990 dense bf16 TFLOP/s), reasoning-length contexts of a few
-# thousand tokens. Replace with numbers measured on the target hardware before quoting them.
+# one H100 (3.35 TB/s HBM, ~990 dense bf16 TFLOP/s: shared.hardware), reasoning-length
+# contexts of a few thousand tokens. Replace with numbers measured on the target hardware
+# before quoting them.
 #
 # Decode floor per step: reading 16 GB of weights at ~3.35 TB/s is ~5 ms; with kernel launch
 # and scheduler overhead SGLang sits near 10 ms at batch 1.

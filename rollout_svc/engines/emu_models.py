@@ -1,9 +1,9 @@
 """Serving-cost presets for the emulated engine: what one rollout instance of a model class
 costs per decode step on H100s. EMULATION: these are derived figures, not measurements.
 
-Every constant below follows from three published numbers and one stated assumption:
+Every constant below follows from the hardware figures of :mod:`shared.hardware` (H100 HBM
+bandwidth and bf16 peak, the spot and reserved weight-update rates) and these assumptions:
 
-* H100 SXM: 3.35 TB/s HBM bandwidth and 989 TFLOP/s dense bf16 (NVIDIA datasheet).
 * Decode is memory-bound: a step reads all weights once (bf16: 2 bytes/param) plus each running
   sequence's KV cache; the attention kernels reach ~50 % of peak bandwidth on the KV part.
 * Reasoning RL contexts: ~4k tokens of prompt + response per sequence on average.
@@ -18,17 +18,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HBM_BYTES_S = 3.35e12  # per H100
-BF16_FLOPS = 989e12  # per H100, dense
+from shared.hardware import (
+    DEVICE_SWAP_BYTES_S,
+    H100_BF16_FLOPS,
+    H100_HBM_BYTES_S,
+    SPOT_LOAD_BYTES_S,
+)
+
 STEP_OVERHEAD_S = 0.005  # scheduler + kernel launches per decode step
 CONTEXT_TOKENS = 4096  # mean sequence context in reasoning RL
 KV_EFFICIENCY = 0.5  # share of HBM bandwidth the attention kernels reach on KV reads
 PREFILL_MFU = 0.5  # prefill is compute-bound and runs near half of peak
-# A spot instance's weight update per step: pull the checkpoint at the weight service's target
-# rate (line rate of a 100 Gb/s NIC, 12.5 GB/s) while it lands in the page cache, then load it
-# from there into HBM (PCIe Gen5 x16, ~25 GB/s): ~8 GB/s end to end. The emulated pull moves
-# a small placeholder, so this figure stands for both.
-LOAD_BYTES_S = 8e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,22 +49,28 @@ class ServingModel:
     @property
     def decode_s_base(self) -> float:
         # Weights read once per step, split over the tensor-parallel GPUs.
-        return 2 * self.params / (self.gpus * HBM_BYTES_S) + STEP_OVERHEAD_S
+        return 2 * self.params / (self.gpus * H100_HBM_BYTES_S) + STEP_OVERHEAD_S
 
     @property
     def decode_s_per_seq(self) -> float:
         # Each running sequence adds its KV cache read, split over the GPUs.
         kv = self.kv_bytes_per_token * CONTEXT_TOKENS
-        return kv / (self.gpus * HBM_BYTES_S * KV_EFFICIENCY)
+        return kv / (self.gpus * H100_HBM_BYTES_S * KV_EFFICIENCY)
 
     @property
     def prefill_s_per_token(self) -> float:
-        return 2 * self.params / (self.gpus * BF16_FLOPS * PREFILL_MFU)
+        return 2 * self.params / (self.gpus * H100_BF16_FLOPS * PREFILL_MFU)
 
     @property
     def load_s(self) -> float:
         # Pull + SGLang update_weights_from_disk; each tensor-parallel rank loads its shard.
-        return 2 * self.params / (self.gpus * LOAD_BYTES_S)
+        return 2 * self.params / (self.gpus * SPOT_LOAD_BYTES_S)
+
+    @property
+    def swap_s(self) -> float:
+        # A reserved instance's update: the trainer's weights swapped in device memory, each
+        # tensor-parallel rank its shard.
+        return 2 * self.params / (self.gpus * DEVICE_SWAP_BYTES_S)
 
     def engine_options(self) -> dict[str, float]:
         return {"decode_s_base": self.decode_s_base, "decode_s_per_seq": self.decode_s_per_seq,

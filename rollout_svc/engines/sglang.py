@@ -1,9 +1,10 @@
 """The GPU engine: an SGLang server driven over its HTTP API, weights updated in place.
 
-Contract (see ``rollout_svc.engine``): token ids in, ``TokenEvent``s out; the engine knows nothing
-about NATS or tokenizers. It never imports ``sglang``: it talks to a server, either one it starts
-itself (``python -m sglang.launch_server`` on a free loopback port, at the first ``load``, with
-that version's directory as the model) or one it attaches to (``RLBOOST_SGLANG_URL``).
+Contract (see ``rollout_svc.engines.base``): token ids in, ``TokenEvent``s out; the engine
+knows nothing about NATS or tokenizers. It never imports ``sglang``: it talks to a server, either
+one it starts itself (``python -m sglang.launch_server`` on a free loopback port, at the first
+``load``, with that version's directory as the model) or one it attaches to
+(``RLBOOST_SGLANG_URL``).
 
 * **Streaming.** Each request is one streamed ``POST /generate`` with ``input_ids`` = prompt +
   committed tokens, so a migrated response resumes after its committed tokens (re-prefilled), and
@@ -51,7 +52,7 @@ from typing import Any
 import httpx
 import orjson
 
-from rollout_svc.engine import (
+from rollout_svc.engines.base import (
     EngineError,
     GenRequest,
     TokenEvent,

@@ -1,0 +1,60 @@
+"""What the trainer trains, and the factory that picks it from a run spec.
+
+Contract: the service imports :func:`make_policy` and the :class:`Policy` interface from this
+package and drives whatever comes back the same way.
+
+* ``base`` -- the :class:`Policy` interface.
+* ``torch_policy`` -- :class:`TorchPolicy`: a real HF causal LM trained with GRPO by torch.
+* ``distributed`` -- :class:`~trainer_svc.policies.distributed.DistributedPolicy`: rank 0 of a
+  torchrun job, keeping one ``TorchPolicy`` per rank identical; also joins and leaves the job.
+* ``emu`` -- EMULATION: :class:`EmuPolicy` waits the time a :class:`ComputeModel` gives
+  (:data:`PRESETS`) instead of training.
+
+Imports point one way only: ``distributed`` builds on ``torch_policy``, ``emu`` stands apart,
+and this package imports them all; no module inside imports the package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainer_svc.model import build_tiny
+from trainer_svc.policies.base import Policy
+from trainer_svc.policies.distributed import DistributedPolicy, channel
+from trainer_svc.policies.emu import PRESETS, ComputeModel, EmuPolicy
+from trainer_svc.policies.torch_policy import TorchPolicy
+
+__all__ = [
+    "PRESETS",
+    "ComputeModel",
+    "EmuPolicy",
+    "Policy",
+    "TorchPolicy",
+    "make_policy",
+]
+
+
+def make_policy(spec: dict[str, Any], data_dir: Path, run_dir: Path,
+                emu_time_scale: float) -> Policy:
+    """The policy a run spec asks for.
+
+    An emu preset is emulated on rank 0 alone (the other ranks of a torchrun job stay idle);
+    a torch model is data-parallel over every rank when the process group has several.
+    """
+    name = str(spec.get("model", "tiny"))
+    if name in PRESETS:
+        return EmuPolicy(PRESETS[name], run_dir, emu_time_scale)
+    seed = int(spec.get("seed", 0))
+    if name == "tiny":
+        model_dir = build_tiny(data_dir, seed)
+    else:
+        model_dir = Path(name)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"model {name!r} is neither 'tiny', an emu preset, nor an HF "
+                             "model directory")
+    learning_rate = float(spec["learning_rate"])
+    if channel() is not None:
+        # Under torchrun with several ranks: the same model, data-parallel over the ranks.
+        return DistributedPolicy.setup(model_dir, run_dir, learning_rate, seed)
+    return TorchPolicy(model_dir, run_dir, learning_rate, seed)

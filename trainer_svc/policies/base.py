@@ -1,0 +1,27 @@
+"""The interface the trainer's step loop drives, whatever does the compute behind it.
+
+Contract: a :class:`Policy` scores and accumulates one group at a time (``add_group``), takes
+one optimizer step per RL step (``step``), and keeps its durable state under a run directory
+(``save``/``restore``, ``checkpoints.hf_dir`` for the files the weight service publishes). The
+trainer's step loop is the same for every policy; only the compute differs. ``restore`` returns
+the weight version the run resumes from (0 for a new run, after saving version 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from trainer_svc.checkpoint import RunCheckpoints
+
+
+class Policy(Protocol):
+    eos_id: int
+    checkpoints: RunCheckpoints
+
+    def restore(self) -> int: ...
+    def reward(self, prompt: list[int], response: list[int]) -> float: ...
+    def add_group(self, prompts: list[list[int]], responses: list[list[int]],
+                  rewards: list[float]) -> None: ...
+    def reset(self) -> None: ...
+    def step(self, step_index: int) -> dict[str, Any]: ...
+    def save(self, version: int) -> None: ...

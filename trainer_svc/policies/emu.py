@@ -1,0 +1,108 @@
+"""EMULATION: a policy that only takes time, with the compute model that says how much.
+
+Contract: :class:`EmuPolicy` keeps the :class:`~trainer_svc.policies.base.Policy` interface but
+replaces torch with a :class:`ComputeModel`: it sleeps the modelled GPU time of training on the
+tokens it is given and publishes a small placeholder checkpoint, so the manager, buses, leases
+and weight transfer around it are the real system. Any figure made with it must say it is
+emulation. :data:`PRESETS` names the model classes a run spec's ``model`` may ask for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.hardware import H100_BF16_FLOPS, H100_HBM_BYTES_S
+from trainer_svc import task
+from trainer_svc.checkpoint import RunCheckpoints
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeModel:
+    """Modelled training cost of a model class on reserved GPUs (see PRESETS for sources)."""
+
+    name: str
+    params: float  # parameters
+    gpus: int  # reserved GPUs training it
+    mfu: float  # model FLOPs utilisation reached by the training framework
+    peak_flops: float = H100_BF16_FLOPS  # per GPU
+    checkpoint_bytes: int = 64 * 1024  # size of the placeholder weights actually transferred
+
+    @property
+    def seconds_per_token(self) -> float:
+        # 6*N FLOPs per token for forward + backward (Kaplan et al. 2020), plus 2*N for the
+        # recomputed old log-probs of GRPO's ratio: 8*N per trained token.
+        return 8 * self.params / (self.gpus * self.peak_flops * self.mfu)
+
+    @property
+    def optimizer_step_s(self) -> float:
+        # AdamW touches params, grads and two moments in fp32: 16 bytes/param, sharded over
+        # the GPUs at their HBM bandwidth each, taken at 50 % efficiency.
+        return 16 * self.params / (self.gpus * H100_HBM_BYTES_S * 0.5)
+
+
+# MFU 0.35-0.40 is what Megatron/FSDP report for dense 8B-32B training on H100 clusters.
+PRESETS: dict[str, ComputeModel] = {
+    "emu": ComputeModel("emu", params=8e9, gpus=8, mfu=0.35),
+    "emu-8b": ComputeModel("emu-8b", params=8e9, gpus=8, mfu=0.35),
+    "emu-14b": ComputeModel("emu-14b", params=14e9, gpus=8, mfu=0.37),
+    "emu-32b": ComputeModel("emu-32b", params=32e9, gpus=8, mfu=0.40),
+}
+
+
+class EmuPolicy:
+    """EMULATION: waits the modelled compute time instead of running torch."""
+
+    def __init__(self, preset: ComputeModel, run_dir: Path, time_scale: float) -> None:
+        self.preset = preset
+        self.time_scale = time_scale
+        self.checkpoints = RunCheckpoints(run_dir, run_dir)
+        self.eos_id = task.EOS_ID
+        self._state = run_dir / "emu-state.json"
+
+    def restore(self) -> int:
+        version = 0
+        if self._state.is_file():
+            version = int(json.loads(self._state.read_text())["version"])
+        if version == 0:
+            self.save(0)
+        return version
+
+    def reward(self, prompt: list[int], response: list[int]) -> float:
+        # A deterministic stand-in for a verifier: the share of even token ids.
+        return sum(1 for t in response if t % 2 == 0) / len(response) if response else 0.0
+
+    def add_group(self, prompts: list[list[int]], responses: list[list[int]],
+                  rewards: list[float]) -> None:
+        tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+        time.sleep(self.time_scale * tokens * self.preset.seconds_per_token)
+
+    def reset(self) -> None:
+        pass
+
+    def step(self, step_index: int) -> dict[str, Any]:
+        time.sleep(self.time_scale * self.preset.optimizer_step_s)
+        return {"loss": 0.0}
+
+    def save(self, version: int) -> None:
+        final = self.checkpoints.hf_dir(version)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(
+            {"model_type": "emu", "preset": self.preset.name, "version": version}))
+        # Deterministic bytes, so a re-publish after a crash is byte-identical.
+        block = version.to_bytes(8, "little") * (self.preset.checkpoint_bytes // 8)
+        (tmp / "weights.bin").write_bytes(block)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        state_tmp = self._state.with_suffix(".tmp")
+        state_tmp.write_text(json.dumps({"version": version}))
+        os.replace(state_tmp, self._state)
+        old = self.checkpoints.hf_dir(version - 2)
+        shutil.rmtree(old, ignore_errors=True)

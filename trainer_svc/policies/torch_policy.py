@@ -1,0 +1,61 @@
+"""The real policy: an HF causal LM trained with GRPO by torch, in one process.
+
+Contract: :class:`TorchPolicy` keeps the :class:`~trainer_svc.policies.base.Policy` interface
+on the CPU or one GPU. Under torchrun each rank holds one of these and
+:mod:`trainer_svc.policies.distributed` keeps them identical; nothing here knows about ranks.
+The module is ``torch_policy``, not ``torch``, so no reader mistakes it for the library.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer_svc import task
+from trainer_svc.checkpoint import RunCheckpoints
+from trainer_svc.grpo import GrpoAccumulator, learning_rate_at
+from trainer_svc.model import load_policy
+
+
+class TorchPolicy:
+    """An HF causal LM trained with GRPO on the CPU or a GPU, in one process."""
+
+    def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+        torch.manual_seed(seed)
+        self.model = load_policy(model_dir, dtype=dtype)
+        if device is not None:
+            self.model.to(device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
+                                           weight_decay=0.0)
+        self.accumulator = GrpoAccumulator(self.model, self.optimizer, pad_id=task.PAD_ID)
+        self.learning_rate = learning_rate
+        self.checkpoints = RunCheckpoints(run_dir, model_dir)
+        self.eos_id = task.EOS_ID
+
+    def restore(self) -> int:
+        version = self.checkpoints.restore(self.model, self.optimizer)
+        if version == 0:
+            self.checkpoints.save(self.model, self.optimizer, 0)
+        return version
+
+    def reward(self, prompt: list[int], response: list[int]) -> float:
+        return task.reward(prompt, response)
+
+    def add_group(self, prompts: list[list[int]], responses: list[list[int]],
+                  rewards: list[float]) -> None:
+        self.accumulator.add_group(prompts, responses, rewards)
+
+    def reset(self) -> None:
+        self.accumulator.reset()
+
+    def step(self, step_index: int) -> dict[str, Any]:
+        # The warm-up schedule is a pure function of the step: a restarted trainer needs no
+        # scheduler state to resume it.
+        return self.accumulator.step(lr=learning_rate_at(step_index, self.learning_rate))
+
+    def save(self, version: int) -> None:
+        self.checkpoints.save(self.model, self.optimizer, version)
