@@ -160,7 +160,7 @@ class RolloutConfig(Settings):
         "RLBOOST_EMU_INSTANCES", 1, "emu: instances served by this one process (ids get -0, "
         "-1, ...)", ge=1)
     emu_model: str = setting(
-        "RLBOOST_EMU_MODEL", "emu-8b", "emu: serving-cost preset (rollout_svc.emu_models)")
+        "RLBOOST_EMU_MODEL", "emu-8b", "emu: serving-cost preset (rollout_svc.engines.emu_models)")
 
     @field_validator("instance_id")
     @classmethod
