@@ -1,5 +1,6 @@
 # The two commands: `make run` (set up, start everything, run the default RL run) and
-# `make test` (lint + the whole suite). Everything else here serves those two.
+# `make test` (lint + the whole suite). Everything else here serves those two;
+# `make test-fast` is the unit and integration tiers alone, for the edit-test loop.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -7,7 +8,7 @@ SEED   ?= 0
 STEPS  ?= 0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint typecheck pytest venv clean
+.PHONY: run test test-fast lint typecheck pytest venv clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +25,17 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy shared manager_svc trainer_svc rollout_svc weight_svc rlboost benchmarks
 
+# Cheapest tier first, so a broken unit fails in seconds rather than after the stack tests.
+TIERS  := tests/unit tests/integration tests/system
+PYTEST := $(BIN)/pytest -q -p no:cacheprovider
+
 pytest: venv
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(PYTEST) $(TIERS)
 
 test: lint pytest
+
+test-fast: venv
+	$(PYTEST) tests/unit tests/integration
 
 clean:
 	rm -rf .rlboost .mypy_cache .ruff_cache

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("rollout_svc", "trainer_svc")
 GRAPHED = (*SERVICES, "shared")
 

@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 from shared.stack import Stack
-from tests.conftest import start_cluster, wait_run
+from tests.support.cluster import start_cluster, wait_run
+
+pytestmark = pytest.mark.slow
 
 SPEC = {"model": "emu", "steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2,
         "max_new_tokens": 16, "seed": 3}

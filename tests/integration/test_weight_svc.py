@@ -1,6 +1,6 @@
 """The weight service over real HTTP: uvicorn in-process, and `python -m weight_svc` as a process.
 
-`ServiceProcess` is also used by tests/test_weights_client.py.
+`ServiceProcess` is also used by tests/integration/test_weights_client.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from shared.protocol import WeightsAnnounce, decode
 from weight_svc.app import create_app
 from weight_svc.store import StoreLimits
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHUNK = 64 << 10
 
 

@@ -22,7 +22,8 @@ which weights generated a token. Generation stops at a stop token (EOS included 
 
 Test hooks, not SGLang: ``GET /_standin/calls`` (every call with its JSON body, in order),
 ``POST /_standin/reset``, ``POST /_standin/fail`` (``{"status": 500, "count": n}``: the next n
-``/generate`` calls fail). Run: ``python -m tests.sglang_standin --model-path DIR --port P``.
+``/generate`` calls fail).
+Run: ``python -m tests.support.sglang_standin --model-path DIR --port P``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Settings (shared.config on shared.settings): the names, the rules, the masking, the README.
 
 No processes: each class reads an injected mapping. What the whole stack logs with real
-credentials is tests/test_secrets_in_logs.py.
+credentials is tests/system/test_secrets_in_logs.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shared.config import (
 from shared.errors import ConfigError
 from shared.settings import PREFIX, env_names, mask_url, reveal
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 NATS = "nats://manager:n4ts-pw@127.0.0.1:4222"
 REDIS = "redis://:r3dis-pw@127.0.0.1:6379/0"
 

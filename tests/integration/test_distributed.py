@@ -35,7 +35,7 @@ from trainer_svc.policies.distributed import DistributedPolicy, Launch
 
 LR = 1e-2
 ATOL = 1e-10
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 Group = tuple[list[list[int]], list[list[int]], list[float]]
 

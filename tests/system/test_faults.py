@@ -28,9 +28,11 @@ from rlboost.launcher import Child, Cluster
 from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import EmuEngine
 from shared.stack import Stack, wait_port
-from tests.conftest import start_cluster, wait_run
-from tests.invariants import check_run, step_records
+from tests.support.cluster import start_cluster, wait_run
+from tests.support.invariants import check_run, step_records
 from trainer_svc.policies import PRESETS, EmuPolicy
+
+pytestmark = pytest.mark.slow
 
 FAST = {
     "RLBOOST_EMU_TIME_SCALE": "1.0",

@@ -19,8 +19,8 @@ import pytest
 from shared.errors import ConfigError, WeightsError
 from shared.weights import PeerServer, list_peers, pin_version, pull_version, upload_version
 from shared.weights import plan as weights_plan
-from tests.test_weight_svc import REPO, Serve, ServiceProcess, publish, serve  # noqa: F401
-from tests.test_weights_client import assert_same_files, bytes_served, make_model
+from tests.integration.test_weight_svc import REPO, Serve, ServiceProcess, publish, serve  # noqa: F401
+from tests.integration.test_weights_client import assert_same_files, bytes_served, make_model
 
 TOKEN = "peer-tok"
 

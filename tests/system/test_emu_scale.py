@@ -13,9 +13,11 @@ import pytest
 from rlboost.launcher import Child
 from shared.protocol import Sample, encode
 from shared.stack import Stack
-from tests.conftest import start_cluster, wait_run
-from tests.invariants import check_run
-from tests.test_faults import FAST, REWARD
+from tests.support.cluster import start_cluster, wait_run
+from tests.support.invariants import check_run
+from tests.system.test_faults import FAST, REWARD
+
+pytestmark = pytest.mark.slow
 
 SPEC = {"model": "emu", "steps": 2, "prompts_per_step": 8, "samples_per_prompt": 4,
         "max_new_tokens": 32, "seed": 4}

@@ -1,4 +1,4 @@
-"""SGLangEngine against a stand-in that follows SGLang's HTTP API (tests/sglang_standin.py).
+"""SGLangEngine against a stand-in that follows SGLang's HTTP API (tests/support/sglang_standin.py).
 
 The stand-in runs as a real process on a free port and records every call, so each test checks
 both what the engine emits and what it sent: input_ids = prompt + committed tokens and the
@@ -22,7 +22,7 @@ import pytest
 from rollout_svc.engines import EngineError, GenRequest, TokenEvent
 from rollout_svc.engines.sglang import SGLangEngine
 from shared.stack import free_port, wait_port
-from tests.sglang_standin import VOCAB
+from tests.support.sglang_standin import VOCAB
 
 EOS = 2
 
@@ -35,7 +35,7 @@ def model_dir(root: Path, name: str, shift: int) -> Path:
 
 
 def start_standin(model: Path, port: int, *flags: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_standin", "--model-path",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.sglang_standin", "--model-path",
                              str(model), "--port", str(port), *flags])
     wait_port(port)
     return proc
@@ -226,7 +226,7 @@ def test_unreachable_server_is_an_engine_error(tmp_path: Path) -> None:
 
 
 def test_starts_its_own_server_at_first_load_and_stops_it(tmp_path: Path) -> None:
-    launch = (sys.executable, "-m", "tests.sglang_standin")
+    launch = (sys.executable, "-m", "tests.support.sglang_standin")
     eng = SGLangEngine(launch_cmd=launch, start_timeout_s=30)
     eng.load(model_dir(tmp_path, "v0", 0), "run", 0)
     assert eng.url is not None and eng._owned is not None

@@ -13,7 +13,7 @@ import pytest
 
 from shared.errors import WeightsError
 from shared.weights import pull_version, upload_version, wait_for_version
-from tests.test_weight_svc import CHUNK, ServiceProcess
+from tests.integration.test_weight_svc import CHUNK, ServiceProcess
 
 TOKEN = "tok"
 

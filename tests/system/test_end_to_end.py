@@ -8,10 +8,13 @@ and a barrier digest the trainer verified (a mismatch fails the run).
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from rlboost.launcher import Cluster
-from tests.conftest import wait_run
-from tests.invariants import check_run, step_records
+from tests.support.cluster import wait_run
+from tests.support.invariants import check_run, step_records
+
+pytestmark = pytest.mark.slow
 
 SPEC = {"steps": 3, "prompts_per_step": 4, "samples_per_prompt": 4, "seed": 11,
         "max_new_tokens": 8}

@@ -26,7 +26,7 @@ import redis.exceptions
 from rlboost.launcher import Child
 from shared.stack import Stack, _binary, free_port, wait_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN, WEIGHTS_TOKEN = "api-s3cret", "weights-s3cret"
 USER, PASSWORD = "rl", "nats-s3cret"
 BAD_HEADERS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},

@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 
 from rlboost.launcher import Child, Cluster
 from shared.stack import Stack
-from tests.conftest import start_cluster, wait_run
-from tests.invariants import check_run, step_records
-from tests.test_faults import FAST, REWARD, oracle
+from tests.support.cluster import start_cluster, wait_run
+from tests.support.invariants import check_run, step_records
+from tests.system.test_faults import FAST, REWARD, oracle
+
+pytestmark = pytest.mark.slow
 
 T = TypeVar("T")
 JOIN_STEP = 1

@@ -11,10 +11,13 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from rlboost.launcher import Child, Cluster
-from tests.conftest import wait_run
-from tests.invariants import check_run
+from tests.support.cluster import wait_run
+from tests.support.invariants import check_run
+
+pytestmark = pytest.mark.slow
 
 SPEC = {"steps": 5, "prompts_per_step": 4, "samples_per_prompt": 4, "seed": 5,
         "max_new_tokens": 8}

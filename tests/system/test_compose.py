@@ -29,11 +29,13 @@ import yaml
 
 from rlboost.launcher import Child
 from shared.stack import _binary, free_port, wait_port
-from tests.conftest import wait_run
-from tests.invariants import check_run
+from tests.support.cluster import wait_run
+from tests.support.invariants import check_run
 from trainer_svc.policies import PRESETS, EmuPolicy
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 SECRETS = ("RLBOOST_API_TOKEN", "RLBOOST_WEIGHTS_TOKEN", "NATS_PASSWORD", "REDIS_PASSWORD")
 ENV = {"RLBOOST_API_TOKEN": "api-s3cret", "RLBOOST_WEIGHTS_TOKEN": "weights-s3cret",

@@ -1,0 +1,43 @@
+"""The real services as processes on given brokers, and waiting for a run through REST."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rlboost.launcher import Cluster
+from shared.stack import Stack
+
+
+def start_cluster(root: Path, stack: Stack, env: dict[str, str] | None = None,
+                  **kwargs: Any) -> Cluster:
+    """The manager, weight service, trainer and rollout instances as real processes."""
+    base = {**stack.env(), "RLBOOST_DATA_DIR": str(root / "data"), "RLBOOST_TORCH_THREADS": "1",
+            **(env or {})}
+    cluster = Cluster(root, base_env=base, **kwargs)
+    cluster.start()
+    return cluster
+
+
+def wait_run(client: httpx.Client, run_id: str, timeout_s: float, cluster: Cluster | None = None
+             ) -> dict[str, Any]:
+    end = time.monotonic() + timeout_s
+    run: dict[str, Any] = {}
+    while time.monotonic() < end:
+        try:
+            resp = client.get(f"/v1/runs/{run_id}")
+        except httpx.TransportError:  # a manager restarting (fault tests) answers nothing
+            time.sleep(0.3)
+            continue
+        if resp.status_code == 200:
+            run = resp.json()
+            if run["state"] in ("succeeded", "failed", "cancelled"):
+                return run
+        if cluster is not None:
+            dead = [c for c in cluster.dead() if c.name in ("manager", "trainer", "weights")]
+            assert not dead, f"{dead[0].name} died:\n{dead[0].tail(40)}"
+        time.sleep(0.3)
+    raise AssertionError(f"run {run_id} did not finish in {timeout_s}s: {run}")

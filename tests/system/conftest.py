@@ -1,0 +1,23 @@
+"""Fixtures of the system tier: the whole stack as real processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rlboost.launcher import Cluster
+from shared.stack import Stack
+from tests.support.cluster import start_cluster
+
+
+@pytest.fixture
+def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
+    """The default small cluster: 2 spot and 1 reserved rollout instances, torch engine.
+    Test modules that need another shape define their own ``cluster``."""
+    c = start_cluster(tmp_path, brokers, spot=2, reserved=1)
+    try:
+        yield c
+    finally:
+        c.stop()
