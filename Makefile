@@ -21,9 +21,11 @@ venv: $(BIN)/.installed
 run: venv
 	$(BIN)/rlboost up --seed $(SEED) --steps $(STEPS)
 
+# ruff, mypy strict, and the architecture contracts of pyproject.toml [tool.importlinter]
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy shared manager_svc trainer_svc rollout_svc weight_svc rlboost benchmarks
+	$(BIN)/lint-imports --no-logo --no-cache
 
 # Cheapest tier first, so a broken unit fails in seconds rather than after the stack tests.
 TIERS  := tests/unit tests/integration tests/system

@@ -1,17 +1,16 @@
-"""The services' modules import in one direction: no cycle, in any order, lazy or not.
+"""The services' modules import in any order, and an emu instance stays light.
 
-Two checks, because each misses what the other sees. The static one reads every ``import`` of
-``rollout_svc`` and ``trainer_svc`` (and ``shared``, which they import), including those inside
-functions, and fails on any cycle: a cycle hidden behind a deferred import never fails at run
-time, yet it is still a cycle. The dynamic one imports each module first, with no other module of
-the services loaded, in a fresh interpreter: a cycle of top-level imports can work in one order
-and fail in another. A third check keeps the emulator light: an ``emu`` instance never loads
-torch, transformers or sglang.
+The static side of "no import cycle" is ``make lint``: import-linter's contracts in
+pyproject.toml, with ``tests/support/import_contracts.py`` for cycles through a package's own
+``__init__`` (tests/unit/test_import_contracts.py shows that it fails on one). What a static
+check cannot see is checked here, in fresh interpreters: each module of ``rollout_svc`` and
+``trainer_svc`` imported first, with no other module of the services loaded, because a cycle of
+top-level imports can work in one order and fail in another; and an ``emu`` instance never
+loads torch, transformers or sglang.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
@@ -19,13 +18,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("rollout_svc", "trainer_svc")
-GRAPHED = (*SERVICES, "shared")
 
 
 def _modules() -> dict[str, Path]:
-    """Dotted name -> file, for every module of the graphed packages."""
+    """Dotted name -> file, for every module of the services."""
     found: dict[str, Path] = {}
-    for package in GRAPHED:
+    for package in SERVICES:
         for path in sorted((REPO / package).rglob("*.py")):
             parts = list(path.relative_to(REPO).with_suffix("").parts)
             is_package = parts[-1] == "__init__"
@@ -33,97 +31,6 @@ def _modules() -> dict[str, Path]:
                 parts.pop()
             found[".".join(parts)] = path
     return found
-
-
-def _resolve(name: str, known: dict[str, Path]) -> str | None:
-    """The graphed module an import of ``name`` loads (the longest known prefix), if any."""
-    parts = name.split(".")
-    while parts:
-        candidate = ".".join(parts)
-        if candidate in known:
-            return candidate
-        parts.pop()
-    return None
-
-
-def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The graphed modules ``module`` imports anywhere in its file (functions included)."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    targets: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join([*anchor, base]) if base else ".".join(anchor)
-            # ``from pkg import name`` loads pkg.name when that is a module, else pkg itself.
-            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
-                     for alias in node.names]
-        for name in names:
-            target = _resolve(name, known)
-            if target is not None and target != module:
-                targets.add(target)
-    return targets
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for nxt in sorted(graph[node]):
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in on_stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                top = stack.pop()
-                on_stack.discard(top)
-                component.append(top)
-                if top == node:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
-
-
-def _graph() -> dict[str, set[str]]:
-    known = _modules()
-    return {name: _imports(name, path, known) for name, path in known.items()}
-
-
-def test_the_static_checker_sees_a_deferred_cycle() -> None:
-    # The shape the engine factory had: the package imports a child inside a function and the
-    # child imports the package back at the top.
-    graph = {"pkg": {"pkg.child"}, "pkg.child": {"pkg"}, "pkg.other": {"pkg.child"}}
-    assert _cycles(graph) == [["pkg", "pkg.child"]]
-    assert _cycles({"pkg": {"pkg.child"}, "pkg.child": set()}) == []
-
-
-def test_no_import_cycle_anywhere() -> None:
-    graph = _graph()
-    assert {"rollout_svc.engines", "trainer_svc.policies"} <= set(graph)
-    # The factories reach their concrete modules; nothing inside reaches back to the factory.
-    assert "rollout_svc.engines.emu" in graph["rollout_svc.engines"]
-    assert "trainer_svc.policies.distributed" in graph["trainer_svc.policies"]
-    assert _cycles(graph) == []
 
 
 # Run in a fresh interpreter: for each module, every module of the services is dropped from
@@ -164,7 +71,7 @@ def test_the_first_import_check_sees_an_order_dependent_cycle(tmp_path: Path) ->
 
 
 def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
-    modules = sorted(m for m in _modules() if m.split(".")[0] in SERVICES)
+    modules = sorted(_modules())
     assert len(modules) > 20
     result = _first_imports(REPO, list(SERVICES), modules)
     assert result["failed"] == {}
