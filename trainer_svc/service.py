@@ -36,6 +36,7 @@ from shared.protocol import (
     ActiveRun,
     GroupDone,
     RunFailed,
+    RunSpec,
     Sample,
     SampleReward,
     StepFinish,
@@ -61,7 +62,7 @@ class RunAborted(RlboostError):
 @dataclass
 class ActiveTraining:
     run_id: str
-    spec: dict[str, Any]
+    spec: RunSpec
     policy: Policy
     version: int
     trained: dict[int, list[Sample]] = field(default_factory=dict)
@@ -131,13 +132,13 @@ class TrainerService:
             log.info("manager not reachable yet: %s", exc)
             await asyncio.sleep(self.cfg.poll_s)
             return
-        if work.run_id is None:
+        if work.run_id is None or work.spec is None:
             self.active = None
             await asyncio.sleep(self.cfg.poll_s)
             return
         try:
             if self.active is None or self.active.run_id != work.run_id:
-                self.active = await self._setup(work)
+                self.active = await self._setup(work.run_id, work.spec)
             await self._train_step(self.active, work.step)
         except RunAborted as exc:
             log.warning("run %s: %s", work.run_id, exc)
@@ -186,20 +187,18 @@ class TrainerService:
 
     # --- run set-up ------------------------------------------------------------------------
 
-    async def _setup(self, work: ActiveRun) -> ActiveTraining:
-        assert work.run_id is not None
-        spec = dict(work.spec)
+    async def _setup(self, run_id: str, spec: RunSpec) -> ActiveTraining:
         common = self.cfg.common
         try:
             policy = await asyncio.to_thread(make_policy, spec, common.data_dir,
-                                             common.data_dir / "trainer" / work.run_id,
+                                             common.data_dir / "trainer" / run_id,
                                              common.emu_time_scale)
         except ValueError as exc:
             raise RunAborted(str(exc)) from exc
         version = await asyncio.to_thread(policy.restore)
-        run = ActiveTraining(work.run_id, spec, policy, version)
+        run = ActiveTraining(run_id, spec, policy, version)
         await self._publish(run, version)
-        log.info("run %s: model %s at version %d", work.run_id, spec.get("model"), version)
+        log.info("run %s: model %s at version %d", run_id, spec.model, version)
         return run
 
     async def _publish(self, run: ActiveTraining, version: int) -> None:
@@ -219,8 +218,7 @@ class TrainerService:
             return
         if run.version < step:
             raise RunAborted(f"checkpoint v{run.version} is behind the run's step {step}")
-        spec = run.spec
-        prompts = task.make_prompts(int(spec["seed"]), step, int(spec["prompts_per_step"]))
+        prompts = task.make_prompts(run.spec.seed, step, run.spec.prompts_per_step)
         ack = await request(self.nc, names.TRAINER_START, StepStart(
             run_id=run.run_id, step=step, weight_version=step, prompt_token_ids=prompts,
             eos_token_id=run.policy.eos_id), Ack, 5.0)
