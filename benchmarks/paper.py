@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from benchmarks import paper_report
 from benchmarks.trace import Trace, TracePlayer, load
 from rlboost.launcher import Cluster
 from rollout_svc.engines.emu_models import serving_model
 from shared.process import exit_on_sigterm
+from shared.protocol import RunSpec, SeedingSpec
 from shared.stack import Stack
 from trainer_svc.policies import PRESETS
 
@@ -49,15 +51,16 @@ ENV = {"RLBOOST_CHUNK_TOKENS": "32", "RLBOOST_MAX_BATCH": "64", "RLBOOST_GRACE_S
 class Policy:
     name: str
     spot: bool
-    seeding: dict[str, Any]
+    seeding: SeedingSpec
     env: dict[str, str] = field(default_factory=dict)
 
 
-ADAPTIVE = {"mode": "adaptive"}
+ADAPTIVE = SeedingSpec(mode="adaptive")
+OFF = SeedingSpec(mode="off")
 POLICIES = [
-    Policy("(a) reserved-only", spot=False, seeding={"mode": "off"}),
+    Policy("(a) reserved-only", spot=False, seeding=OFF),
     Policy("(b) rlboost", spot=True, seeding=ADAPTIVE),
-    Policy("(c1) seeding off", spot=True, seeding={"mode": "off"}),
+    Policy("(c1) seeding off", spot=True, seeding=OFF),
     Policy("(c2) request-level restart", spot=True, seeding=ADAPTIVE,
            env={"RLBOOST_MIGRATION": "request"}),
     Policy("(c3) no mid-step join", spot=True, seeding=ADAPTIVE,
@@ -72,7 +75,7 @@ class Setup:
     reserved_gpus: int
     time_scale: float  # wall seconds per emulated second
     window_s: float  # emulated seconds measured per policy
-    spec: dict[str, Any]
+    spec: RunSpec
     removal: str
     seed: int
 
@@ -95,8 +98,8 @@ def run_policy(policy: Policy, setup: Setup, root: Path) -> paper_report.Outcome
         with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=30) as client:
             if policy.spot:
                 player.set_count(setup.trace.counts[0])  # warm-up for step 0
-            run_id = client.post("/v1/runs", json={**setup.spec,
-                                                   "seeding": policy.seeding}).json()["id"]
+            spec = msgspec.structs.replace(setup.spec, seeding=policy.seeding)
+            run_id = client.post("/v1/runs", json=msgspec.to_builtins(spec)).json()["id"]
             wait_step(client, run_id, 1, cluster)
             begin = time.time()  # before the player's first change, so the plot has it
             if policy.spot:
@@ -183,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     trace = load(args.trace).segment(args.segment_start, args.segment)
     setup = Setup(args.model, trace.compressed(args.compress, args.count_scale),
                   args.reserved_gpus, args.time_scale, args.window,
-                  {"model": args.model, "steps": 100_000, "prompts_per_step": args.prompts,
-                   "samples_per_prompt": args.samples, "max_new_tokens": args.max_new_tokens,
-                   "seed": args.seed}, args.removal, args.seed)
+                  RunSpec(model=args.model, steps=100_000, prompts_per_step=args.prompts,
+                          samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
+                          seed=args.seed), args.removal, args.seed)
     chosen = POLICIES if args.policies == "all" else [
         p for p in POLICIES if p.name[1:].split(")")[0] in args.policies.split(",")]
     title = (f"EMULATION: {args.model} on H100 (modelled), {args.reserved_gpus} reserved GPUs, "

@@ -21,14 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from rlboost.launcher import Child, Cluster
 from shared.process import exit_on_sigterm
+from shared.protocol import RunSpec, SeedingSpec
 from shared.stack import Stack
 
 STEPS = 12
-SPEC: dict[str, Any] = {"model": "emu-32b", "steps": STEPS, "prompts_per_step": 32,
-                        "samples_per_prompt": 8, "max_new_tokens": 128, "seed": 5}
+SPEC = RunSpec(model="emu-32b", steps=STEPS, prompts_per_step=32, samples_per_prompt=8,
+               max_new_tokens=128, seed=5)
 ENV = {"RLBOOST_EMU_TIME_SCALE": "1.0", "RLBOOST_CHUNK_TOKENS": "16",
        "RLBOOST_EMU_MODEL": "emu-32b", "RLBOOST_HEARTBEAT_S": "0.25", "RLBOOST_REBALANCE_SKEW": "0"}
 HIGH, LOW = 8, 2
@@ -54,10 +56,11 @@ def set_spot(cluster: Cluster, client: httpx.Client, count: int, serial: list[in
         time.sleep(0.2)
 
 
-def run_setting(cluster: Cluster, client: httpx.Client, seeding: dict[str, Any],
+def run_setting(cluster: Cluster, client: httpx.Client, seeding: SeedingSpec,
                 serial: list[int]) -> list[dict[str, Any]]:
     set_spot(cluster, client, HIGH, serial)
-    run_id = client.post("/v1/runs", json={**SPEC, "seeding": seeding}).json()["id"]
+    spec = msgspec.structs.replace(SPEC, seeding=seeding)
+    run_id = client.post("/v1/runs", json=msgspec.to_builtins(spec)).json()["id"]
     phase = 0
     while True:
         run = client.get(f"/v1/runs/{run_id}").json()
@@ -90,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixed", type=float, nargs="+", default=[0.0, 1.0, 2.0, 4.0, 8.0])
     args = parser.parse_args(argv)
     exit_on_sigterm()
-    settings: list[tuple[str, dict[str, Any]]] = [("adaptive", {"mode": "adaptive"})]
-    settings += [(f"fixed {w:.1f}s", {"mode": "fixed", "window_s": w}) for w in args.fixed]
+    settings = [("adaptive", SeedingSpec(mode="adaptive"))]
+    settings += [(f"fixed {w:.1f}s", SeedingSpec(mode="fixed", window_s=w)) for w in args.fixed]
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="rlboost-seeding-") as tmp:
         root = Path(tmp)

@@ -8,12 +8,15 @@ read through the service's parts (the run store, the instance registry); none ho
 
 from __future__ import annotations
 
+import email.message
 import hmac
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -21,11 +24,40 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
-from manager_svc.runs import RunSpec
 from manager_svc.service import ManagerService
+from shared.errors import ProtocolError
+from shared.protocol import RunSpec, decode
 from shared.settings import reveal
 
 log = logging.getLogger("manager.api")
+# The run spec's JSON schema, from the struct itself, for the OpenAPI document.
+_SPEC_REFS, _SPEC_SCHEMAS = msgspec.json.schema_components(
+    [RunSpec], ref_template="#/components/schemas/{name}")
+_SPEC_BODY = {"requestBody": {"required": False, "content": {
+    "application/json": {"schema": _SPEC_REFS[0]}}}}
+
+
+async def run_spec_body(request: Request) -> RunSpec:
+    """The body of ``POST /v1/runs`` as a :class:`RunSpec`: decoded and validated in one pass
+    by the protocol's codec; no body (or ``null``) means every default. As with any FastAPI
+    body, a body that is not declared JSON is refused."""
+    body = await request.body()
+    if not body.strip() or body.strip() == b"null":
+        return RunSpec()
+    kind = email.message.Message()
+    kind["content-type"] = request.headers.get("content-type", "")
+    subtype = kind.get_content_subtype()
+    if kind.get_content_maintype() != "application" or not (
+            subtype == "json" or subtype.endswith("+json")):
+        raise HTTPException(422, [{"loc": ["body"], "msg": "the body must be JSON "
+                                   "(Content-Type: application/json)", "type": "content_type"}])
+    try:
+        return decode(body, RunSpec)
+    except ProtocolError as exc:
+        # Shaped like FastAPI's own validation errors: msgspec names the field as "$.a.b".
+        msg, _, where = exc.problem.partition(" - at `$")
+        loc = ["body", *re.findall(r"[^.\[\]`]+", where)]
+        raise HTTPException(422, [{"loc": loc, "msg": msg, "type": "value_error"}]) from exc
 
 
 def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAPI:
@@ -77,9 +109,11 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/runs", status_code=201, dependencies=[Depends(auth)])
-    async def create_run(spec: RunSpec | None = None) -> dict[str, Any]:
-        run = await service.runs.create(spec or RunSpec())
+    @app.post("/v1/runs", status_code=201, dependencies=[Depends(auth)],
+              openapi_extra=_SPEC_BODY,
+              responses={422: {"description": "Unknown fields or bad values in the run spec"}})
+    async def create_run(spec: Annotated[RunSpec, Depends(run_spec_body)]) -> dict[str, Any]:
+        run = await service.runs.create(spec)
         service.soft.wake.set()
         return run
 
@@ -117,4 +151,14 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
     async def instances() -> list[dict[str, Any]]:
         return await service.registry.instances()
 
+    describe = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, with the run spec's schemas beside its own."""
+        if app.openapi_schema is None:
+            doc = describe()
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(_SPEC_SCHEMAS)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

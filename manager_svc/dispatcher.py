@@ -33,7 +33,7 @@ from shared import names
 from shared.config import ManagerConfig
 from shared.names import Keys
 from shared.process import wait_event
-from shared.protocol import Assign, Assignment, Handoff, Revoke, encode
+from shared.protocol import Assign, Assignment, Handoff, Revoke, RunSpec, encode
 
 log = logging.getLogger("manager")
 # Do not move work off the same instance more often than this: moved work needs a moment to land.
@@ -179,7 +179,9 @@ class Dispatcher:
         """Lease ``pending`` in (prompt, sample) order, reserved instances first (the design's
         seeding order), each up to a fair share of all outstanding work, so one fast-joining
         instance does not take it all. Returns how many went out and whether any stayed."""
-        spec = (await self.runs.get(step.run_id) or {}).get("spec", {})
+        spec = await self.runs.spec(step.run_id)
+        if spec is None:
+            return 0, True  # the run's record is gone: nothing of it to lease
         queue = sorted(pending, key=lambda r: names.parse_request_id(r)[2:])
         outstanding = len(queue) + sum(i["held"] for i in ready)
         share = math.ceil(outstanding / len(ready))
@@ -195,7 +197,7 @@ class Dispatcher:
                 sent += len(batch)
         return sent, bool(queue)
 
-    async def _lease(self, instance_id: str, room: int, queue: list[str], spec: dict[str, Any],
+    async def _lease(self, instance_id: str, room: int, queue: list[str], spec: RunSpec,
                      eos: int) -> tuple[list[Assignment], list[str]]:
         """Up to ``room`` responses from the head of ``queue`` to one instance; returns its
         assignments and what is left of the queue (a response another pass took is skipped)."""
@@ -207,8 +209,7 @@ class Dispatcher:
             n = min(room, ASSIGN_CONCURRENCY)
             take, queue = queue[:n], queue[n:]
             got = await asyncio.gather(*(self.ledger.assign(
-                rid, instance_id, float(spec.get("temperature", 1.0)),
-                int(spec.get("seed", 0)), eos) for rid in take))
+                rid, instance_id, spec.temperature, spec.seed, eos) for rid in take))
             leased = [a for a in got if a is not None]
             batch += leased
             room -= len(leased)

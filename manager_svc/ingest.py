@@ -121,18 +121,22 @@ class ChunkIngest:
                 self.soft.wake.set()
             if result.status in ("group", "step"):
                 run_id, step, prompt, _ = names.parse_request_id(chunk.request_id)
-                spec = (await self.runs.get(run_id) or {}).get("spec", {})
-                samples = await self.ledger.group_samples(
-                    run_id, step, prompt, int(spec.get("samples_per_prompt", 1)))
-                event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt,
-                                         samples=samples))
-                if len(event) > MESSAGE_BUDGET:  # the trainer pages it in after the barrier
-                    event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt))
-                await self.nc.publish(names.group_subject(run_id), event)
+                await self._announce_group(run_id, step, prompt)
                 if result.status == "step":
                     await self.barrier(run_id, step)
         for msg, _ in valid:
             await msg.ack()
+
+    async def _announce_group(self, run_id: str, step: int, prompt: int) -> None:
+        """Tell the trainer a group is complete, its samples attached when they fit."""
+        spec = await self.runs.spec(run_id)
+        if spec is None:
+            return  # the run's record is gone: nobody trains this group
+        samples = await self.ledger.group_samples(run_id, step, prompt, spec.samples_per_prompt)
+        event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt, samples=samples))
+        if len(event) > MESSAGE_BUDGET:  # the trainer pages it in after the barrier
+            event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt))
+        await self.nc.publish(names.group_subject(run_id), event)
 
     async def barrier(self, run_id: str, step: int) -> None:
         """Every response of the step is complete, once: freeze the digest and announce it."""

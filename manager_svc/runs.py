@@ -1,10 +1,13 @@
 """Runs: the spec users submit, and their lifecycle in Redis.
 
-Contract: a run is created ``queued``, becomes ``running`` when the manager activates it (one at
-a time, FIFO), and ends ``succeeded``, ``failed`` or ``cancelled``. Its record, its finished
-steps and the samples each step trained on are Redis data, so a restarted manager serves them
-unchanged. :meth:`RunStore.target` is what every instance should serve now (the running run at
-its current step); the step records it serves carry their fault counters read live.
+Contract: a run is created from a validated :class:`~shared.protocol.RunSpec` and stored with
+it; :meth:`RunStore.spec` gives the manager's parts that spec typed, while :meth:`RunStore.get`
+serves the record, spec included, as the JSON the REST API returns. A run is created
+``queued``, becomes ``running`` when the manager activates it (one at a time, FIFO), and ends
+``succeeded``, ``failed`` or ``cancelled``. Its record, its finished steps and the samples each
+step trained on are Redis data, so a restarted manager serves them unchanged.
+:meth:`RunStore.target` is what every instance should serve now (the running run at its current
+step); the step records it serves carry their fault counters read live.
 """
 
 from __future__ import annotations
@@ -15,42 +18,16 @@ import uuid
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field
 
 from manager_svc.scripts import register
 from shared.names import Keys
+from shared.protocol import RunSpec, decode, encode
 
 RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL = ("succeeded", "failed", "cancelled")
 # Step counters that can still move after the step's record is written (a zombie's late chunks).
 LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
                  "stale_chunks_rejected", "tokens_regenerated")
-
-
-class SeedingSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    mode: Literal["adaptive", "fixed", "off"] = "off"
-    window_s: float = Field(default=0.0, ge=0.0, le=3600.0)
-
-
-class RunSpec(BaseModel):
-    """Body of ``POST /v1/runs``; every field has a default, unknown fields are rejected."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str = Field(default="tiny", min_length=1, max_length=4096)
-    task: Literal["arith-seq"] = "arith-seq"
-    algorithm: Literal["grpo"] = "grpo"
-    # Defaults: the embedded task's tuned run (trainer_svc.selfcheck measures them: 40 steps of
-    # 16 x 8 lift the last-5 mean reward 0.21-0.30 above the first-5 on seeds 0-5).
-    steps: int = Field(default=40, ge=1, le=100_000)
-    prompts_per_step: int = Field(default=16, ge=1, le=4096)
-    samples_per_prompt: int = Field(default=8, ge=1, le=512)
-    max_new_tokens: int = Field(default=8, ge=1, le=32768)
-    # AdamW with a 5-step linear warm-up (trainer_svc.grpo.DEFAULT_LEARNING_RATE, tuned there)
-    learning_rate: float = Field(default=6e-4, gt=0.0, le=1.0)
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    seed: int = Field(default=0, ge=0, le=2**62)
-    seeding: SeedingSpec = Field(default_factory=SeedingSpec)
 
 
 class RunStore:
@@ -62,7 +39,7 @@ class RunStore:
         run_id = "run-" + uuid.uuid4().hex[:12]
         now = time.time()
         record = {"id": run_id, "state": "queued", "step": 0, "steps": spec.steps,
-                  "spec": spec.model_dump_json(), "created_at": now, "updated_at": now,
+                  "spec": encode(spec).decode(), "created_at": now, "updated_at": now,
                   "error": ""}
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(Keys.run(run_id), mapping=record)
@@ -81,6 +58,11 @@ class RunStore:
             "created_at": float(raw["created_at"]), "updated_at": float(raw["updated_at"]),
             "error": raw.get("error") or None,
         }
+
+    async def spec(self, run_id: str) -> RunSpec | None:
+        """The run's spec, typed; None for an unknown run."""
+        raw = await self.r.hget(Keys.run(run_id), "spec")
+        return None if raw is None else decode(raw.encode(), RunSpec)
 
     async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
         ids = await self.r.zrevrange(Keys.runs, 0, limit - 1)

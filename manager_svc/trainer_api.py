@@ -55,29 +55,30 @@ class TrainerApi:
         run_id = await self.runs.active()
         if not run_id:
             return ActiveRun()
-        run = await self.runs.get(run_id) or {}
-        return ActiveRun(run_id=run_id, spec=run["spec"], step=run["step"], state=run["state"])
+        run, spec = await self.runs.get(run_id), await self.runs.spec(run_id)
+        if run is None or spec is None:
+            return ActiveRun()  # activated, then gone between the two reads: nothing to do
+        return ActiveRun(run_id=run_id, spec=spec, step=run["step"], state=run["state"])
 
     async def on_step_start(self, msg: StepStart) -> Ack:
-        run = await self.runs.get(msg.run_id)
-        if run is None or run["state"] != "running":
+        run, spec = await self.runs.get(msg.run_id), await self.runs.spec(msg.run_id)
+        if run is None or spec is None or run["state"] != "running":
             return Ack(ok=False, detail=f"run {msg.run_id} is not running")
         if msg.step != run["step"] or msg.weight_version != msg.step:
             return Ack(ok=False, detail=f"run is at step {run['step']}, not {msg.step}")
-        spec = run["spec"]
-        if len(msg.prompt_token_ids) != spec["prompts_per_step"]:
+        if len(msg.prompt_token_ids) != spec.prompts_per_step:
             return Ack(ok=False, detail="prompt count differs from prompts_per_step")
         seeding = await self._seeding(msg.run_id)
-        mode = spec["seeding"]["mode"]
+        mode = spec.seeding.mode
         spot_alive = sum(1 for i in await self.registry.instances()
                          if i["kind"] == "spot" and i["state"] != "draining")
         if mode == "adaptive":
             window = next_window(seeding, spot_alive)
         else:
-            window = float(spec["seeding"]["window_s"]) if mode == "fixed" else 0.0
+            window = spec.seeding.window_s if mode == "fixed" else 0.0
         created = await self.ledger.create_step(
             msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
-            spec["samples_per_prompt"], spec["max_new_tokens"],
+            spec.samples_per_prompt, spec.max_new_tokens,
             extra={"eos": msg.eos_token_id, "mode": mode, "window_s": window,
                    # Seeding off and spot capacity present: the reserved side only trains.
                    "reserved_free": int(mode == "off" and spot_alive > 0)},
@@ -94,8 +95,8 @@ class TrainerApi:
         raw = await self.redis.hgetall(Keys.seeding(run_id))
         if raw:
             return SeedingState.load(raw)
-        run = await self.runs.get(run_id) or {}
-        initial = float(run.get("spec", {}).get("seeding", {}).get("window_s") or 0.0)
+        spec = await self.runs.spec(run_id)
+        initial = spec.seeding.window_s if spec else 0.0
         return SeedingState(window_s=initial or DEFAULT_WINDOW_S)
 
     async def _barrier_digest(self, run_id: str, step: int) -> Digest | None:

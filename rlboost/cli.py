@@ -40,12 +40,14 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def _spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    spec: dict[str, Any] = json.loads(Path(args.spec).read_text()) if args.spec else {}
+def _body_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The run spec fields given on the command line, as the body of ``POST /v1/runs``: the
+    manager validates it (shared.protocol.RunSpec) and fills in every field not given."""
+    body: dict[str, Any] = json.loads(Path(args.spec).read_text()) if args.spec else {}
     for item in args.set or []:
         key, _, value = item.partition("=")
-        spec[key] = _parse_value(value)
-    return spec
+        body[key] = _parse_value(value)
+    return body
 
 
 class Progress:
@@ -100,15 +102,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         urls = {name: mask_url(cluster.env[f"RLBOOST_{name.upper()}_URL"])
                 for name in ("manager", "weights", "nats", "redis")}
         print("  " + "  ".join(f"{name} {url}" for name, url in urls.items()), flush=True)
-        spec: dict[str, Any] = {"seed": args.seed, **_spec_from_args(args)}
+        body: dict[str, Any] = {"seed": args.seed, **_body_from_args(args)}
         if args.steps:
-            spec["steps"] = args.steps
+            body["steps"] = args.steps
         with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], headers=_headers(),
                           timeout=10.0) as client:
-            resp = client.post("/v1/runs", json=spec)
+            resp = client.post("/v1/runs", json=body)
             resp.raise_for_status()
             run_id = resp.json()["id"]
-            print(f"submitted {run_id}: {json.dumps(spec)}", flush=True)
+            print(f"submitted {run_id}: {json.dumps(body)}", flush=True)
             progress = Progress(client, run_id)
             deadline = time.monotonic() + args.timeout
             while True:
@@ -141,7 +143,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    resp = httpx.post(f"{_manager_url()}/v1/runs", json=_spec_from_args(args), headers=_headers())
+    resp = httpx.post(f"{_manager_url()}/v1/runs", json=_body_from_args(args), headers=_headers())
     print(json.dumps(resp.json(), indent=2))
     return 0 if resp.status_code == 201 else 1
 

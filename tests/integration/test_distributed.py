@@ -28,6 +28,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from shared.protocol import RunSpec
 from trainer_svc import task
 from trainer_svc.model import tiny_config
 from trainer_svc.policies import Policy, TorchPolicy, distributed, make_policy
@@ -112,7 +113,7 @@ def _rank_main(root: Path) -> None:
     model_dir = _model_dir(root)
     try:
         if launch.rank == 0:
-            spec = {"model": str(model_dir), "learning_rate": LR, "seed": 0}
+            spec = RunSpec(model=str(model_dir), learning_rate=LR, seed=0)
             # What the service gets from make_policy in a multi-rank job (float32, not used on).
             picked = make_policy(spec, root, root / "run-picked", 0.0)
             assert isinstance(picked, DistributedPolicy)
@@ -187,7 +188,7 @@ def test_world_of_one_is_the_plain_torch_policy(tmp_path: Path) -> None:
     assert Launch.from_env({}) is None
     assert Launch.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Launch(1, 2, 1)
     assert distributed.channel() is None
-    spec = {"model": str(_model_dir(tmp_path)), "learning_rate": LR, "seed": 0}
+    spec = RunSpec(model=str(_model_dir(tmp_path)), learning_rate=LR, seed=0)
     policy = make_policy(spec, tmp_path, tmp_path / "run", 0.0)
     assert type(policy) is TorchPolicy
     with pytest.raises(distributed.DistributedError):

@@ -15,7 +15,7 @@ import pytest
 from rlboost.launcher import Child
 from shared import names
 from shared.bus import request
-from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release
+from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release, RunSpec
 from shared.stack import Stack, free_port
 
 TOKEN = "s3cret-token"
@@ -67,6 +67,16 @@ def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str
     resp = manager.post("/v1/runs", json=body)
     assert resp.status_code == 422, resp.text
     assert resp.json()["detail"]
+
+
+def test_the_openapi_document_describes_the_run_spec(manager: httpx.Client) -> None:
+    doc = manager.get("/openapi.json").json()
+    body = doc["paths"]["/v1/runs"]["post"]["requestBody"]["content"]["application/json"]
+    schema = doc["components"]["schemas"][body["schema"]["$ref"].rsplit("/", 1)[1]]
+    assert set(schema["properties"]) == set(RunSpec.__struct_fields__)
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["steps"] == {"type": "integer", "minimum": 1,
+                                             "maximum": 100_000, "default": 40}
 
 
 def test_malformed_json_body_is_422(manager: httpx.Client) -> None:

@@ -6,9 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
-from shared.protocol import Sample, sample_digest
+from shared.protocol import RunSpec, Sample, sample_digest
 from trainer_svc import task
 
 
@@ -16,9 +17,10 @@ def check_run(client: httpx.Client, run_id: str, spec: dict[str, Any],
               reward: Callable[[list[int], list[int]], float] = task.reward,
               ) -> dict[int, list[dict[str, Any]]]:
     """Assert invariants 1-3 for every step of a finished run; returns the samples by step."""
+    run = msgspec.convert(spec, RunSpec)  # the body as submitted, with the manager's defaults
     steps: list[dict[str, Any]] = client.get(f"/v1/runs/{run_id}/steps").json()
-    assert [s["step"] for s in steps] == list(range(spec["steps"]))
-    expected = spec["prompts_per_step"] * spec["samples_per_prompt"]
+    assert [s["step"] for s in steps] == list(range(run.steps))
+    expected = run.prompts_per_step * run.samples_per_prompt
     by_step = {}
     for record in steps:
         n = record["step"]
@@ -27,12 +29,12 @@ def check_run(client: httpx.Client, run_id: str, spec: dict[str, Any],
         keys = {(s["prompt_index"], s["sample_index"]) for s in samples}
         assert len(keys) == expected  # exactly once: no duplicates, none missing
         assert {s["weight_version"] for s in samples} == {n} == {record["weight_version"]}
-        prompts = task.make_prompts(spec["seed"], n, spec["prompts_per_step"])
+        prompts = task.make_prompts(run.seed, n, run.prompts_per_step)
         for s in samples:
             assert s["prompt_token_ids"] == prompts[s["prompt_index"]]
-            assert 1 <= len(s["response_token_ids"]) <= spec["max_new_tokens"]
+            assert 1 <= len(s["response_token_ids"]) <= run.max_new_tokens
             ended = s["response_token_ids"][-1] == task.EOS_ID
-            assert ended or len(s["response_token_ids"]) == spec["max_new_tokens"]
+            assert ended or len(s["response_token_ids"]) == run.max_new_tokens
             assert task.EOS_ID not in s["response_token_ids"][:-1]
             assert s["instances"], "every response names who generated it"
             assert s["reward"] == pytest.approx(

@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from rlboost.launcher import Child, Cluster
 from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import EmuEngine
+from shared.protocol import RunSpec
 from shared.stack import Stack, wait_port
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run, step_records
@@ -47,9 +49,10 @@ REWARD = EmuPolicy(PRESETS["emu"], Path("/nonexistent"), 0.0).reward
 
 def oracle(spec: dict[str, Any], sample: dict[str, Any], step: int) -> list[int]:
     """The response a fault-free emu instance generates for this sample."""
+    run = msgspec.convert(spec, RunSpec)
     return EmuEngine(time_scale=0.0).expected_tokens(GenRequest(
         request_id="", prompt_token_ids=sample["prompt_token_ids"], committed_token_ids=[],
-        max_new_tokens=spec["max_new_tokens"], temperature=1.0, seed=spec["seed"], step=step,
+        max_new_tokens=run.max_new_tokens, temperature=1.0, seed=run.seed, step=step,
         prompt_index=sample["prompt_index"], sample_index=sample["sample_index"],
         eos_token_id=2, weight_version=step))
 

@@ -17,8 +17,8 @@ and this package imports them all; no module inside imports the package.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from shared.protocol import RunSpec
 from trainer_svc.model import build_tiny
 from trainer_svc.policies.base import Policy
 from trainer_svc.policies.distributed import DistributedPolicy, channel
@@ -35,17 +35,17 @@ __all__ = [
 ]
 
 
-def make_policy(spec: dict[str, Any], data_dir: Path, run_dir: Path,
+def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
                 emu_time_scale: float) -> Policy:
     """The policy a run spec asks for.
 
     An emu preset is emulated on rank 0 alone (the other ranks of a torchrun job stay idle);
     a torch model is data-parallel over every rank when the process group has several.
     """
-    name = str(spec.get("model", "tiny"))
+    name = spec.model
     if name in PRESETS:
         return EmuPolicy(PRESETS[name], run_dir, emu_time_scale)
-    seed = int(spec.get("seed", 0))
+    seed = spec.seed
     if name == "tiny":
         model_dir = build_tiny(data_dir, seed)
     else:
@@ -53,7 +53,7 @@ def make_policy(spec: dict[str, Any], data_dir: Path, run_dir: Path,
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model {name!r} is neither 'tiny', an emu preset, nor an HF "
                              "model directory")
-    learning_rate = float(spec["learning_rate"])
+    learning_rate = spec.learning_rate
     if channel() is not None:
         # Under torchrun with several ranks: the same model, data-parallel over the ranks.
         return DistributedPolicy.setup(model_dir, run_dir, learning_rate, seed)
