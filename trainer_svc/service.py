@@ -123,9 +123,9 @@ class TrainerService:
         """Run ``work``; if stop() comes first, cancel it at its next await and return.
 
         A step cut short is redone after a restart from the manager's committed samples and the
-        last checkpoint, just as after a crash (tests/test_restart), so finishing it first would
-        only delay the exit: a step on a real model outlasts any orchestrator's stop grace, and
-        the SIGKILL that follows would cut it anyway. Work already handed to a thread (a group's
+        last checkpoint, just as after a crash (tests/system/test_restart), so finishing it first
+        would only delay the exit: a step on a real model outlasts any orchestrator's stop grace,
+        and the SIGKILL that follows would cut it anyway. Work already handed to a thread (a group's
         backward pass, a checkpoint write) completes before the process exits."""
         task = asyncio.create_task(work)
         stopping = asyncio.create_task(self._stop.wait())
