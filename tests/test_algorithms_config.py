@@ -1,0 +1,98 @@
+"""The algorithm config: each paper's defaults, overrides, and errors that name their field."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer_svc.algorithms.config import (
+    DEFAULTS,
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmConfigError,
+    Estimator,
+    KlEstimator,
+    LossAgg,
+    PolicyLoss,
+)
+
+# (clip low, clip high, loss_agg, overlong buffer, minibatches, dynamic sampling), from the
+# sources the config module cites.
+PAPER = {
+    "grpo": (0.2, 0.2, "token_mean", 0, 1, False),
+    "dr_grpo": (0.2, 0.2, "seq_mean_token_sum_norm", 0, 1, False),
+    "dapo": (0.2, 0.28, "token_mean", 4096, 16, True),
+    "rloo": (0.2, 0.2, "seq_mean_token_sum", 0, 1, False),
+    "reinforce_pp": (0.2, 0.2, "token_mean", 0, 1, False),
+    "reinforce_pp_baseline": (0.2, 0.2, "token_mean", 0, 1, False),
+    "gspo": (3e-4, 4e-4, "seq_mean_token_mean", 0, 4, False),
+}
+
+
+@pytest.mark.parametrize("name", list(PAPER))
+def test_paper_defaults(name: str) -> None:
+    cfg = AlgorithmConfig.for_algorithm(name)
+    got = (cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.loss_agg.value, cfg.overlong_buffer,
+           cfg.minibatches, cfg.dynamic_sampling)
+    assert got == PAPER[name]
+    # No paper here trains with a KL or entropy term by default; one update pass each.
+    assert (cfg.kl_coef, cfg.entropy_coef, cfg.updates_per_step) == (0.0, 0.0, 1)
+    assert cfg.kl_estimator is KlEstimator.K3 and not cfg.needs_reference
+    assert cfg.overlong_penalty_factor == 1.0
+
+
+def test_every_algorithm_has_defaults_and_an_estimator() -> None:
+    assert set(DEFAULTS) == set(Algorithm)
+    assert AlgorithmConfig.for_algorithm("dapo").estimator is Estimator.GRPO
+    assert AlgorithmConfig.for_algorithm("gspo").estimator is Estimator.GRPO
+    assert AlgorithmConfig.for_algorithm("gspo").policy_loss is PolicyLoss.SEQUENCE_CLIP
+    assert AlgorithmConfig.for_algorithm("dapo").policy_loss is PolicyLoss.TOKEN_CLIP
+
+
+def test_overrides_and_spec() -> None:
+    cfg = AlgorithmConfig.for_algorithm("dapo", clip_ratio_high=0.3, loss_agg=None, kl_coef=1,
+                                        kl_estimator="k2")
+    assert cfg.clip_ratio_high == 0.3 and cfg.loss_agg is LossAgg.TOKEN_MEAN
+    assert cfg.kl_coef == 1.0 and isinstance(cfg.kl_coef, float) and cfg.needs_reference
+    spec = {"algorithm": "rloo", "steps": 3, "minibatches": 2, "entropy_coef": None}
+    from_spec = AlgorithmConfig.from_spec(spec)
+    assert from_spec.algorithm is Algorithm.RLOO and from_spec.minibatches == 2
+    assert AlgorithmConfig.from_spec({}).algorithm is Algorithm.GRPO
+    assert cfg.with_(updates_per_step=3).updates_per_step == 3
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("algorithm", "ppo"),
+    ("loss_agg", "token-mean"),
+    ("kl_estimator", "low_var_kl"),
+    ("clip_ratio_low", 1.0),
+    ("clip_ratio_low", -0.1),
+    ("clip_ratio_high", float("inf")),
+    ("kl_coef", -1.0),
+    ("overlong_buffer", -5),
+    ("overlong_buffer", 1.5),
+    ("updates_per_step", 0),
+    ("minibatches", 0),
+    ("dynamic_sampling", "yes"),
+    ("entropy_coef", "0.1"),
+    ("clip_ratio_high", True),
+    ("gamma", 0.9),
+])
+def test_bad_values_name_their_field(field: str, value: object) -> None:
+    with pytest.raises(AlgorithmConfigError) as info:
+        if field == "algorithm":
+            AlgorithmConfig.for_algorithm(str(value))
+        else:
+            AlgorithmConfig.for_algorithm("grpo", **{field: value})
+    assert info.value.field == field
+
+
+def test_check_run() -> None:
+    dapo = AlgorithmConfig.for_algorithm("dapo")
+    with pytest.raises(AlgorithmConfigError) as info:
+        dapo.check_run(max_new_tokens=8, responses_per_step=128)
+    assert info.value.field == "overlong_buffer"
+    dapo.check_run(max_new_tokens=20480, responses_per_step=128)
+    dapo.with_(overlong_buffer=2).check_run(max_new_tokens=8, responses_per_step=128)
+    with pytest.raises(AlgorithmConfigError) as info:
+        dapo.check_run(max_new_tokens=20480, responses_per_step=8)
+    assert info.value.field == "minibatches"

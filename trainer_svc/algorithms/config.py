@@ -1,0 +1,279 @@
+"""The algorithm a run trains with: its name, every knob, and each paper's defaults.
+
+Contract: :class:`AlgorithmConfig` is an immutable, validated value. Build it with
+:meth:`AlgorithmConfig.for_algorithm` (or :meth:`AlgorithmConfig.from_spec` from a run spec's
+flat fields): a knob left out, or given as ``None``, takes the algorithm's default from
+:data:`DEFAULTS`. A bad value raises :class:`AlgorithmConfigError` naming the field, which the
+manager can turn into a 422. :meth:`AlgorithmConfig.check_run` checks the knobs that depend on
+the run's shape (generation budget, responses per step).
+
+Where each default comes from (section and equation numbers of the papers' arXiv versions):
+
+- ``grpo``: rlboost's objective before this package, kept so existing runs train the same:
+  clip 0.2 both sides, ``token_mean``, no KL term. DeepSeekMath's GRPO (Shao et al. 2024,
+  arXiv 2402.03300, §4.1) used the same clip with a per-response token mean
+  (``seq_mean_token_mean``) and a k3 KL term with beta 0.04; set those knobs to get it.
+- ``dr_grpo``: Liu et al. 2025 (arXiv 2503.20783, §3.1): advantages without the std division,
+  and the per-response token *sum* over a constant (the generation budget) rather than over the
+  response's length: ``seq_mean_token_sum_norm``; no KL term; clip as GRPO (veRL's
+  docs/algo/grpo.md "DrGRPO" gives the same settings).
+- ``dapo``: Yu et al. 2025 (arXiv 2503.14476): clip-higher eps_low 0.2, eps_high 0.28 (§3.1),
+  dynamic sampling (§3.2, the constraint of eq. 11), token-level loss ``token_mean`` (§3.3,
+  eq. 12), overlong reward shaping with a 4096-token buffer (§3.4, eq. 13) and penalty factor
+  1.0 within a 20480-token budget (veRL's docs/algo/dapo.md), no KL term (§2.3); 16 gradient
+  updates per rollout step (§4.1: 512 prompts x 16 responses, mini-batches of 512 responses;
+  veRL's DAPO scripts: train_prompt_bsz 512, train_prompt_mini_bsz 32).
+- ``rloo``: Ahmadian et al. 2024 (arXiv 2402.14740, §3): the leave-one-out baseline, and the
+  whole response as one action, so the loss is the per-response token sum
+  (``seq_mean_token_sum``, sum_t log pi = log pi(y|x)). The paper takes one plain policy-gradient
+  step per batch; the clip (0.2, veRL's default) only binds when ``updates_per_step`` or
+  ``minibatches`` exceed 1. The paper, and veRL's RLOO example, put a k1 KL penalty into the
+  reward (coefficient 0.001 there); rlboost applies KL only as a loss term, default off.
+- ``reinforce_pp``, ``reinforce_pp_baseline``: Hu 2025 (arXiv 2501.03262): PPO's clip 0.2 and
+  token-level loss, advantages normalised over the whole batch (see
+  :mod:`trainer_svc.algorithms.advantages` for how the paper's token-level returns reduce with
+  an outcome reward). The paper puts a k1 KL penalty into the reward (veRL's examples: 0.001);
+  as for rloo, rlboost applies KL only as a loss term, default off.
+- ``gspo``: Zheng et al. 2025 (arXiv 2507.18071): GRPO's advantages, the sequence-level ratio
+  clipped to [1 - 3e-4, 1 + 4e-4] (§5.1: "the left and right clipping ranges in Equation (5)"),
+  one loss term per response averaged over the group (eq. 5, i.e. ``seq_mean_token_mean``), each
+  rollout batch split into four mini-batches (§5.1); no KL term. veRL's GSPO example script
+  uses exactly these values, citing §5.1.
+
+``kl_estimator`` defaults to ``k3`` everywhere (DeepSeekMath's estimator, veRL's
+``low_var_kl``); it matters only when ``kl_coef`` > 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from enum import StrEnum
+from typing import Any
+
+
+class Algorithm(StrEnum):
+    GRPO = "grpo"
+    DR_GRPO = "dr_grpo"
+    DAPO = "dapo"
+    RLOO = "rloo"
+    REINFORCE_PP = "reinforce_pp"
+    REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
+    GSPO = "gspo"
+
+
+class LossAgg(StrEnum):
+    """How per-token losses become the step loss (veRL's ``agg_loss`` modes, underscored)."""
+
+    TOKEN_MEAN = "token_mean"
+    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
+
+
+class KlEstimator(StrEnum):
+    """Schulman's estimators of KL(pi || pi_ref) from one sample (veRL: kl, mse, low_var_kl)."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
+class Estimator(StrEnum):
+    """The advantage estimator an algorithm uses (:mod:`trainer_svc.algorithms.advantages`)."""
+
+    GRPO = "grpo"
+    DR_GRPO = "dr_grpo"
+    RLOO = "rloo"
+    REINFORCE_PP = "reinforce_pp"
+    REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
+
+
+class Scope(StrEnum):
+    """What an advantage depends on: its own group, or every group of the step."""
+
+    GROUP = "group"  # final as soon as the group completes: the trainer may stream it
+    BATCH = "batch"  # needs the whole step's rewards: final only after the barrier
+
+
+class PolicyLoss(StrEnum):
+    TOKEN_CLIP = "token_clip"  # PPO/GRPO/DAPO: one ratio and one clip per token
+    SEQUENCE_CLIP = "sequence_clip"  # GSPO: one length-normalised ratio and clip per response
+
+
+ESTIMATOR: dict[Algorithm, Estimator] = {
+    Algorithm.GRPO: Estimator.GRPO,
+    Algorithm.DR_GRPO: Estimator.DR_GRPO,
+    Algorithm.DAPO: Estimator.GRPO,
+    Algorithm.RLOO: Estimator.RLOO,
+    Algorithm.REINFORCE_PP: Estimator.REINFORCE_PP,
+    Algorithm.REINFORCE_PP_BASELINE: Estimator.REINFORCE_PP_BASELINE,
+    Algorithm.GSPO: Estimator.GRPO,
+}
+
+SCOPE: dict[Estimator, Scope] = {
+    Estimator.GRPO: Scope.GROUP,
+    Estimator.DR_GRPO: Scope.GROUP,
+    Estimator.RLOO: Scope.GROUP,
+    Estimator.REINFORCE_PP: Scope.BATCH,
+    Estimator.REINFORCE_PP_BASELINE: Scope.BATCH,
+}
+
+_COMMON: dict[str, Any] = {
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.2,
+    "loss_agg": LossAgg.TOKEN_MEAN,
+    "kl_coef": 0.0,
+    "kl_estimator": KlEstimator.K3,
+    "entropy_coef": 0.0,
+    "overlong_buffer": 0,
+    "overlong_penalty_factor": 1.0,
+    "updates_per_step": 1,
+    "minibatches": 1,
+    "dynamic_sampling": False,
+}
+
+# Each algorithm's paper defaults (sources in the module docstring).
+DEFAULTS: dict[Algorithm, dict[str, Any]] = {
+    Algorithm.GRPO: dict(_COMMON),
+    Algorithm.DR_GRPO: {**_COMMON, "loss_agg": LossAgg.SEQ_MEAN_TOKEN_SUM_NORM},
+    Algorithm.DAPO: {**_COMMON, "clip_ratio_high": 0.28, "overlong_buffer": 4096,
+                     "minibatches": 16, "dynamic_sampling": True},
+    Algorithm.RLOO: {**_COMMON, "loss_agg": LossAgg.SEQ_MEAN_TOKEN_SUM},
+    Algorithm.REINFORCE_PP: dict(_COMMON),
+    Algorithm.REINFORCE_PP_BASELINE: dict(_COMMON),
+    Algorithm.GSPO: {**_COMMON, "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4,
+                     "loss_agg": LossAgg.SEQ_MEAN_TOKEN_MEAN, "minibatches": 4},
+}
+
+
+class AlgorithmConfigError(ValueError):
+    """A knob has a value the algorithm cannot use (not retryable: the spec is wrong)."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field  # the run-spec field at fault
+        self.detail = detail  # why, in words a user can act on
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlgorithmConfig:
+    """Every knob of the objective; see :data:`DEFAULTS` for each algorithm's values."""
+
+    algorithm: Algorithm
+    clip_ratio_low: float  # the ratio is clipped below at 1 - clip_ratio_low
+    clip_ratio_high: float  # and above at 1 + clip_ratio_high (DAPO's clip-higher)
+    loss_agg: LossAgg  # how per-token losses are averaged into the step loss
+    kl_coef: float  # weight of the KL(pi || pi_ref) loss term; 0 loads no reference model
+    kl_estimator: KlEstimator  # which one-sample KL estimator the term uses
+    entropy_coef: float  # weight of the entropy bonus (subtracted from the loss)
+    overlong_buffer: int  # DAPO: tokens before max_new_tokens where a length penalty ramps; 0 = off
+    overlong_penalty_factor: float  # DAPO: the penalty at max_new_tokens
+    updates_per_step: int  # passes (epochs) over the step's responses
+    minibatches: int  # optimizer steps per pass, each on an equal share of the responses
+    dynamic_sampling: bool  # DAPO: train only on groups whose rewards are not all equal
+
+    def __post_init__(self) -> None:
+        def finite(name: str, value: float, low: float, high: float = math.inf) -> None:
+            if not (math.isfinite(value) and low <= value <= high):
+                raise AlgorithmConfigError(name, f"{value!r} is not in [{low}, {high}]")
+
+        finite("clip_ratio_low", self.clip_ratio_low, 0.0, 1.0)
+        if self.clip_ratio_low == 1.0:
+            # The ratio's lower bound would be 0: nothing below would ever clip.
+            raise AlgorithmConfigError("clip_ratio_low", "must be below 1")
+        finite("clip_ratio_high", self.clip_ratio_high, 0.0)
+        finite("kl_coef", self.kl_coef, 0.0)
+        finite("entropy_coef", self.entropy_coef, -math.inf)
+        finite("overlong_penalty_factor", self.overlong_penalty_factor, 0.0)
+        for name in ("overlong_buffer", "updates_per_step", "minibatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise AlgorithmConfigError(name, f"{value!r} is not an integer")
+        if self.overlong_buffer < 0:
+            raise AlgorithmConfigError("overlong_buffer", "must be 0 (off) or positive")
+        if self.updates_per_step < 1:
+            raise AlgorithmConfigError("updates_per_step", "must be at least 1")
+        if self.minibatches < 1:
+            raise AlgorithmConfigError("minibatches", "must be at least 1")
+
+    @classmethod
+    def for_algorithm(cls, algorithm: str | Algorithm = Algorithm.GRPO,
+                      **overrides: Any) -> AlgorithmConfig:
+        """The algorithm's defaults with ``overrides`` applied (a ``None`` keeps the default)."""
+        try:
+            algo = Algorithm(algorithm)
+        except ValueError:
+            raise AlgorithmConfigError(
+                "algorithm", f"{algorithm!r} is not one of {[a.value for a in Algorithm]}"
+            ) from None
+        known = {f.name for f in fields(cls)} - {"algorithm"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise AlgorithmConfigError(unknown[0], "is not an algorithm knob")
+        values = dict(DEFAULTS[algo])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        for name, kind in (("loss_agg", LossAgg), ("kl_estimator", KlEstimator)):
+            try:
+                values[name] = kind(values[name])
+            except ValueError:
+                raise AlgorithmConfigError(
+                    name, f"{values[name]!r} is not one of {[k.value for k in kind]}"
+                ) from None
+        if not isinstance(values["dynamic_sampling"], bool):
+            raise AlgorithmConfigError("dynamic_sampling", "must be true or false")
+        for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef", "entropy_coef",
+                     "overlong_penalty_factor"):
+            value = values[name]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise AlgorithmConfigError(name, f"{value!r} is not a number")
+            values[name] = float(value)
+        return cls(algorithm=algo, **values)
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> AlgorithmConfig:
+        """From a run spec's flat fields; fields that are not algorithm knobs are ignored."""
+        knobs = {f.name for f in fields(cls)} - {"algorithm"}
+        return cls.for_algorithm(spec.get("algorithm") or Algorithm.GRPO,
+                                 **{k: v for k, v in spec.items() if k in knobs})
+
+    def with_(self, **changes: Any) -> AlgorithmConfig:
+        """A copy with ``changes`` applied and validated."""
+        return replace(self, **changes)
+
+    @property
+    def estimator(self) -> Estimator:
+        return ESTIMATOR[self.algorithm]
+
+    @property
+    def scope(self) -> Scope:
+        """``group``: advantages are final per group; ``batch``: only after the barrier."""
+        return SCOPE[self.estimator]
+
+    @property
+    def policy_loss(self) -> PolicyLoss:
+        if self.algorithm is Algorithm.GSPO:
+            return PolicyLoss.SEQUENCE_CLIP
+        return PolicyLoss.TOKEN_CLIP
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a frozen reference policy must be loaded (only for a KL term)."""
+        return self.kl_coef > 0.0
+
+    def check_run(self, *, max_new_tokens: int, responses_per_step: int) -> None:
+        """Raise if a knob cannot work with the run's generation budget or batch size."""
+        if self.overlong_buffer and self.overlong_buffer >= max_new_tokens:
+            # DAPO's buffer is the last 4096 of 20480 tokens; with a budget below that the
+            # penalty would reach responses of every length, which is a different objective.
+            raise AlgorithmConfigError(
+                "overlong_buffer",
+                f"{self.overlong_buffer} tokens must be below max_new_tokens ({max_new_tokens}); "
+                "DAPO penalises the last 4096 of 20480 (a fifth), or set 0 to turn it off",
+            )
+        if self.minibatches > responses_per_step:
+            raise AlgorithmConfigError(
+                "minibatches",
+                f"{self.minibatches} mini-batches cannot split {responses_per_step} responses",
+            )
