@@ -1,0 +1,112 @@
+"""Log-probs and entropies of response tokens under the distribution they were sampled from.
+
+Contract: rollout engines sample from ``softmax(logits / T)`` (pure temperature sampling, no
+top-k or top-p), so the policy whose ratio and gradient the loss needs is that tempered
+distribution, not ``softmax(logits)``. :func:`response_scores` scores every response token
+under ``log_softmax(logits / T)``; the trainer must use it, at the run's temperature, for the
+old log-probs, the new ones and the reference policy's alike, or the ratio and KL compare
+different distributions. (veRL divides the logits by the rollout temperature the same way.)
+
+``T = 0`` is greedy decoding: the sampling distribution is a point mass on the argmax, whose
+log-prob is 0 for every generated token and has no gradient, so there is nothing to train on.
+Such responses are scored at ``T = 1``, the model's own distribution (what engines report as
+log-probs under greedy decoding); the run spec may allow ``T = 0`` for evaluation, and a
+trainer that wants to refuse training on it can check :func:`logit_scale`'s input itself.
+
+Dropout must be off while scoring, for the loss as much as for the old log-probs: with dropout
+on, a ratio compares two random sub-networks and is not 1 even before any update, and the
+gradient is that of a different policy than the one that generated the tokens. ``model.eval()``
+turns dropout off without stopping gradients; :func:`dropout_off` does so for a block and
+restores every module's previous mode afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def logit_scale(temperature: float) -> float:
+    """What the logits are multiplied by: ``1 / T``, or 1 for greedy ``T = 0`` (module doc)."""
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    return 1.0 if temperature == 0.0 else 1.0 / temperature
+
+
+@contextmanager
+def dropout_off(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Eval-mode behaviour (no dropout) with gradients still on; restores each module's mode."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@dataclass(frozen=True, slots=True)
+class TokenScores:
+    logprobs: list[torch.Tensor]  # per response: log-prob of each response token
+    entropy: list[torch.Tensor] | None  # per response: entropy of each token's distribution
+
+
+def response_scores(
+    model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+    *, temperature: float = 1.0, entropy: bool = False,
+) -> TokenScores:
+    """Score each response token given its prompt and the response tokens before it.
+
+    One batched forward over right-padded ``prompt + response`` rows (padding never shifts a
+    real token, so position ids are a plain ``arange``). Returns one 1-D tensor per response of
+    length ``len(response)``, carrying grad when grad is enabled; half-precision logits are
+    upcast to float32 first. The caller sets dropout (see :func:`dropout_off`).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if not prompts:
+        return TokenScores([], [] if entropy else None)
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token to condition on")
+    scale = logit_scale(temperature)
+    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+    device = next(model.parameters()).device
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
+        mask[i, : len(s)] = 1
+    positions = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    # Logits at t predict token t + 1. A log_softmax in bf16 loses the small probability
+    # differences a ratio is made of, hence the upcast.
+    shifted = logits[:, :-1]
+    if shifted.dtype in (torch.float16, torch.bfloat16):
+        shifted = shifted.float()
+    if scale != 1.0:
+        shifted = shifted * scale
+    logp = F.log_softmax(shifted, dim=-1)
+    token_logp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    out: list[torch.Tensor] = []
+    ent: list[torch.Tensor] = []
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        rows = slice(len(p) - 1, len(p) - 1 + len(r))
+        out.append(token_logp[i, rows])
+        if entropy:
+            # Only the response positions: H = -sum_v p_v log p_v of the tempered distribution.
+            lp = logp[i, rows]
+            ent.append(-(lp.exp() * lp).sum(-1))
+    return TokenScores(out, ent if entropy else None)
+
+
+def response_logprobs(
+    model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """Just the log-probs of :func:`response_scores`."""
+    return response_scores(model, prompts, responses, pad_id, temperature=temperature).logprobs
