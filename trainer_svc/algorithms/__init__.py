@@ -27,9 +27,12 @@ from trainer_svc.algorithms.config import (
     PolicyLoss,
     Scope,
 )
+from trainer_svc.algorithms.losses import AggCounts, aggregate, denominator, partial_sum
+from trainer_svc.algorithms.stats import TrainStats, response_stats
 
 __all__ = [
     "DEFAULTS",
+    "AggCounts",
     "Algorithm",
     "AlgorithmConfig",
     "AlgorithmConfigError",
@@ -38,4 +41,9 @@ __all__ = [
     "LossAgg",
     "PolicyLoss",
     "Scope",
+    "TrainStats",
+    "aggregate",
+    "denominator",
+    "partial_sum",
+    "response_stats",
 ]
