@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from trainer_svc.algorithms import advantages, logprobs
 
 # Tuned on the embedded task with trainer_svc/selfcheck.py (AdamW, default betas, no weight
 # decay): 25 RL steps lift the tiny model's mean reward by 0.17-0.18 for seeds 0, 1 and 3 but
@@ -60,16 +61,9 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``(r - mean) / (std + eps)`` over one group's rewards (1-D), unbiased std.
 
     A group of size one, or one with all-equal rewards, yields zeros rather than NaN or a
-    division by ``eps`` of rounding noise.
+    division by ``eps`` of rounding noise (:func:`trainer_svc.algorithms.advantages.grpo`).
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
-    if rewards.numel() < 2:
-        return torch.zeros_like(rewards)
-    centered = rewards - rewards.mean()
-    if bool(torch.all(rewards == rewards[0])):
-        return torch.zeros_like(rewards)
-    return centered / (rewards.std(unbiased=True) + eps)
+    return advantages.grpo(rewards, eps)
 
 
 def response_logprobs(
@@ -80,39 +74,9 @@ def response_logprobs(
 ) -> list[torch.Tensor]:
     """Log-prob of each response token given its prompt and the response tokens before it.
 
-    One batched forward over ``prompt + response`` sequences, right-padded with ``pad_id``
-    and masked; right padding keeps every real token at position ``0..len-1``, so position
-    ids are a plain ``arange`` and padding never shifts a real token. Returns one 1-D tensor
-    per sample, of length ``len(response)``, in the model's dtype, carrying grad if enabled.
+    At temperature 1; see :func:`trainer_svc.algorithms.logprobs.response_scores`.
     """
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    if not prompts:
-        return []
-    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
-    if any(not p for p in prompts):
-        raise ValueError("every prompt needs at least one token to condition on")
-    device = next(model.parameters()).device
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
-        mask[i, : len(s)] = 1
-    positions = torch.arange(width, device=device).unsqueeze(0).expand(len(seqs), -1)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    # Logits at t predict token t + 1. Half-precision logits are upcast: a log_softmax in
-    # bf16 loses the small probability differences the ratio is made of.
-    shifted = logits[:, :-1]
-    if shifted.dtype in (torch.float16, torch.bfloat16):
-        shifted = shifted.float()
-    logp = F.log_softmax(shifted, dim=-1)
-    token_logp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    out: list[torch.Tensor] = []
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        start = len(p) - 1
-        out.append(token_logp[i, start : start + len(r)])
-    return out
+    return logprobs.response_logprobs(model, prompts, responses, pad_id)
 
 
 def grpo_token_loss_sum(
