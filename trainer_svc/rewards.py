@@ -1,0 +1,132 @@
+"""Reward functions by name: the built-in ``"math"`` and ``"exact"``, and user ``python:`` ones.
+
+Contract:
+
+- Every reward function is ``fn(prompt: str, response: str, answer: str | None) -> float``,
+  plain or ``async def``. ``prompt`` is the dataset's string before any chat template,
+  ``response`` the decoded response (special tokens skipped), ``answer`` the dataset's answer
+  or None.
+- ``"math"``: final-answer equivalence by ``math-verify``. The gold is the answer's text after
+  its last ``####`` when it has one (GSM8K), else the whole answer; the response is likewise
+  cut after its last ``####`` when it has one, else ``math-verify`` extracts its final answer
+  (``\\boxed{}``, LaTeX, or the last number). 1.0 when equivalent (``\\boxed{3/4}`` = ``0.75``),
+  else 0.0. A missing answer, or one math-verify cannot parse, raises: that is a data fault
+  to count and log, not a wrong response.
+- ``"exact"``: 1.0 when ``normalize(response) == normalize(answer)``, else 0.0, where both
+  sides are first cut after their last ``####`` when they have one, then stripped, lower-cased,
+  whitespace runs collapsed to one space and one trailing period dropped.
+- ``"python:<module>:<function>"``: ``<module>`` is imported with the directories of the
+  reward path searched first, then installed packages; ``<function>`` must be a callable
+  attribute of it. :func:`resolve_reward` raises :class:`RewardNameError` naming the spec
+  and the cause (unknown name, import failure with its message, missing attribute).
+
+Resolution imports user code and may touch ``sys.path``: it is meant to run in a reward
+worker process (:mod:`trainer_svc.reward_worker`), never in the trainer's own.
+math-verify's own timeouts use ``signal.alarm``, which works only on a process's main thread;
+the workers call rewards on theirs, so those timeouts stay on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+RewardFn = Callable[[str, str, "str | None"], "float | Awaitable[float]"]
+
+BUILTIN_REWARDS = ("math", "exact")
+PYTHON_PREFIX = "python:"
+
+
+class RewardNameError(ValueError):
+    """A reward spec that names nothing callable; ``spec`` and ``cause`` say what and why."""
+
+    def __init__(self, spec: str, cause: str) -> None:
+        super().__init__(f"reward {spec!r}: {cause}")
+        self.spec = spec
+        self.cause = cause
+
+
+def final_answer_text(text: str) -> str:
+    """The text after the last ``####`` (GSM8K's final-answer marker), or all of it."""
+    return text.rsplit("####", 1)[1] if "####" in text else text
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def normalize(text: str) -> str:
+    """The ``"exact"`` reward's normal form (see the module docstring)."""
+    out = _SPACE.sub(" ", final_answer_text(text).strip().lower())
+    return out[:-1].rstrip() if out.endswith(".") else out
+
+
+def exact_reward(prompt: str, response: str, answer: str | None) -> float:
+    if answer is None:
+        raise ValueError("the exact reward needs an answer, and this sample has none")
+    return 1.0 if normalize(response) == normalize(answer) else 0.0
+
+
+def math_reward(prompt: str, response: str, answer: str | None) -> float:
+    # Imported here: math-verify pulls in sympy (~1 s), needed only by workers that use it.
+    from math_verify import parse, verify
+
+    if answer is None:
+        raise ValueError("the math reward needs an answer, and this sample has none")
+    gold = parse(final_answer_text(answer))
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the answer {answer!r}")
+    guess = parse(final_answer_text(response))
+    return 1.0 if guess and verify(gold, guess) else 0.0
+
+
+def check_spec(spec: str) -> None:
+    """Raise RewardNameError unless ``spec`` is well formed; imports nothing.
+
+    For submit-time validation: whether a ``python:`` module imports is only known where the
+    reward path is (the trainer's workers).
+    """
+    if spec in BUILTIN_REWARDS:
+        return
+    if not spec.startswith(PYTHON_PREFIX):
+        raise RewardNameError(
+            spec, f"unknown reward; use one of {', '.join(BUILTIN_REWARDS)} "
+            "or python:<module>:<function>"
+        )
+    parts = spec[len(PYTHON_PREFIX):].split(":")
+    if len(parts) != 2 or not all(parts):
+        raise RewardNameError(spec, "expected python:<module>:<function>")
+
+
+def resolve_reward(spec: str, reward_path: Sequence[str] = ()) -> RewardFn:
+    """The function a reward spec names; user modules are searched on ``reward_path`` first."""
+    check_spec(spec)
+    if spec == "math":
+        # Paid here, at worker start, not inside the first call's timeout (sympy: ~1-2 s).
+        import math_verify  # noqa: F401
+
+        return math_reward
+    if spec == "exact":
+        return exact_reward
+    module_name, attr = spec[len(PYTHON_PREFIX):].split(":")
+    # Prepended in order, so the first directory listed wins, as on PATH.
+    for directory in reversed([d for d in reward_path if d]):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is the user's to see
+        where = ":".join(reward_path) or "(empty)"
+        raise RewardNameError(
+            spec, f"cannot import module {module_name!r} (reward path {where}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    fn: Any = getattr(module, attr, None)
+    if fn is None:
+        raise RewardNameError(spec, f"module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise RewardNameError(spec, f"{module_name}.{attr} is not callable")
+    result: RewardFn = fn
+    return result

@@ -1,0 +1,271 @@
+"""Scoring responses safely: reward functions in worker processes, with a timeout per call.
+
+Contract:
+
+- ``RewardScorer(spec, reward_path=..., timeout_s=..., workers=...)`` runs the reward named
+  by ``spec`` (see :mod:`trainer_svc.rewards`) in ``workers`` child processes
+  (:mod:`trainer_svc.reward_worker`). ``reward_path`` and ``timeout_s`` are passed in by the
+  caller (the trainer reads ``RLBOOST_REWARD_PATH`` and ``RLBOOST_REWARD_TIMEOUT_S`` into its
+  config); this module reads no environment.
+- ``await start()`` starts every worker and resolves the function in each; a spec that names
+  nothing importable raises :class:`~trainer_svc.rewards.RewardNameError` here, naming the
+  function and the cause, before any sample is scored.
+- ``await score_many([(prompt, response, answer), ...])`` returns ``(rewards, errors)``: one
+  reward per item in order, and how many of them failed. A call that raises, returns a
+  non-number, runs past ``timeout_s`` or kills its worker scores 0.0 and is counted in
+  ``counts`` by kind; the first failure of each kind is logged with its traceback or cause,
+  later ones only counted. Nothing a reward function does stops the caller.
+- The caller's event loop never blocks: each call waits in a thread of the scorer's own
+  pool. A timed-out worker is killed (SIGKILL: a reward stuck in C code cannot be
+  interrupted any other way) and replaced before its next call.
+- ``await close()`` ends every worker; it is idempotent. ``async with`` does start/close.
+
+Why processes, not threads: a thread that hangs cannot be stopped and keeps its core, and
+math-verify refuses to run its ``signal.alarm`` timeouts off a process's main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from trainer_svc.rewards import RewardNameError, check_spec
+
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_WORKERS = 2
+DEFAULT_START_TIMEOUT_S = 60.0
+_ROOT = str(Path(__file__).resolve().parents[1])
+# The worker imports nothing of the trainer's (no torch): starting it takes ~0.1 s plus the
+# reward's own imports.
+_BOOTSTRAP = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from trainer_svc.reward_worker import main; main(sys.argv[1:])"
+)
+Item = tuple[str, str, "str | None"]
+
+log = logging.getLogger(__name__)
+_FAILURE_WORDS = {
+    "raised": "raised an exception",
+    "timeouts": "timed out",
+    "invalid": "returned a value that is not a finite number",
+    "crashed": "lost its worker process",
+}
+
+
+class RewardWorkerError(RuntimeError):
+    """A reward worker that could not be started (not a reward function's own failure)."""
+
+
+@dataclass(slots=True)
+class RewardErrorCounts:
+    """Failed reward calls since the scorer started, by kind."""
+
+    raised: int = 0  # the function raised
+    timeouts: int = 0  # ran past timeout_s; its worker was killed
+    invalid: int = 0  # returned something that is not a finite number
+    crashed: int = 0  # the worker died mid-call (e.g. the function called os._exit)
+
+    @property
+    def total(self) -> int:
+        return self.raised + self.timeouts + self.invalid + self.crashed
+
+
+class _Worker:
+    """One worker process and its channel; used by one thread at a time."""
+
+    def __init__(self, spec: str, reward_path: Sequence[str], start_timeout_s: float) -> None:
+        self.spec = spec
+        self.reward_path = list(reward_path)
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.conn: Connection | None = None
+
+    def ensure_started(self) -> None:
+        if self.proc is not None and self.proc.poll() is None and self.conn is not None:
+            return
+        self.kill()
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, _ROOT, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(("init", self.spec, self.reward_path))
+        if not self.conn.poll(self.start_timeout_s):
+            self.kill()
+            raise RewardWorkerError(
+                f"reward {self.spec!r}: worker did not start in {self.start_timeout_s:g}s"
+            )
+        try:
+            kind, detail = self.conn.recv()
+        except EOFError as exc:
+            self.kill()
+            raise RewardWorkerError(f"reward {self.spec!r}: worker exited at start") from exc
+        if kind == "init_error":
+            self.kill()
+            raise RewardNameError(self.spec, str(detail))
+
+    def call(self, item: Item, timeout_s: float) -> tuple[str, Any]:
+        """``("ok", value)`` or ``(failure kind, detail)``; never raises for the function."""
+        try:
+            self.ensure_started()
+        except (RewardWorkerError, RewardNameError, OSError) as exc:
+            return "crashed", f"could not restart the worker: {exc}"
+        assert self.conn is not None
+        try:
+            self.conn.send(item)
+            if not self.conn.poll(timeout_s):
+                self.kill()
+                return "timeouts", f"no result within {timeout_s:g}s; worker killed"
+            kind, detail = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            code = self.proc.poll() if self.proc is not None else None
+            self.kill()
+            return "crashed", f"worker died mid-call (exit code {code}): {exc!r}"
+        return str(kind), detail
+
+    def kill(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def close(self) -> None:
+        """End the worker: a closed channel tells it to exit; a stuck one is killed."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=1.0)
+        self.kill()
+
+
+class RewardScorer:
+    """Scores (prompt, response, answer) items with one reward function; see module doc."""
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        reward_path: Sequence[str | Path] = (),
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        workers: int = DEFAULT_WORKERS,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        check_spec(spec)
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self.counts = RewardErrorCounts()
+        self._log = logger or log
+        self._logged: set[str] = set()
+        self._workers = [
+            _Worker(spec, [str(p) for p in reward_path], start_timeout_s) for _ in range(workers)
+        ]
+        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="reward")
+        self._idle: asyncio.Queue[_Worker] | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start every worker; raises RewardNameError if the function does not resolve."""
+        if self._closed:
+            raise RuntimeError("scorer is closed")
+        if self._idle is not None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.gather(
+                *(loop.run_in_executor(self._threads, w.ensure_started) for w in self._workers)
+            )
+        except BaseException:
+            await self.close()
+            raise
+        self._idle = asyncio.Queue()
+        for w in self._workers:
+            self._idle.put_nowait(w)
+
+    async def score_many(self, items: Sequence[Item]) -> tuple[list[float], int]:
+        """One reward per item, in order, and the number of failed calls among them."""
+        if self._idle is None:
+            raise RuntimeError("call start() first")
+        results = await asyncio.gather(*(self._score_one(item) for item in items))
+        rewards = [value for value, _ in results]
+        return rewards, sum(1 for _, failed in results if failed)
+
+    async def _score_one(self, item: Item) -> tuple[float, bool]:
+        assert self._idle is not None
+        idle = self._idle
+        worker = await idle.get()
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._threads, worker.call, item, self.timeout_s
+        )
+        try:
+            kind, detail = await asyncio.shield(fut)
+        finally:
+            # A cancelled caller must not hand out a worker its thread is still using.
+            if fut.done():
+                idle.put_nowait(worker)
+            else:
+                fut.add_done_callback(lambda _: idle.put_nowait(worker))
+        if kind == "ok":
+            return float(detail), False
+        self._count(kind, str(detail))
+        return 0.0, True
+
+    def _count(self, kind: str, detail: str) -> None:
+        field = kind if kind in ("raised", "timeouts", "invalid", "crashed") else "crashed"
+        setattr(self.counts, field, getattr(self.counts, field) + 1)
+        if field not in self._logged:
+            self._logged.add(field)
+            self._log.error(
+                "reward %s %s; the sample scores 0, and later calls that fail this way are "
+                "counted, not logged:\n%s", self.spec, _FAILURE_WORDS[field], detail.rstrip(),
+            )
+
+    async def close(self) -> None:
+        """End every worker (idempotent). Not run on the scorer's pool, whose threads may
+        all be waiting on calls that closing the channels ends."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(
+            *(asyncio.to_thread(w.close) for w in self._workers), return_exceptions=True
+        )
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> RewardScorer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
