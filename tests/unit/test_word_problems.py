@@ -9,7 +9,7 @@ from pathlib import Path
 
 from trainer_svc import word_problems as wp
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_generation_is_a_pure_function_of_the_seed() -> None:
