@@ -53,6 +53,10 @@ async def test_groups_wait_for_train_now_come_once_and_the_barrier_brings_the_re
     await side.subscribe(names.TRAINER_SAMPLES, cb=manager)
     await trainer.subscribe(names.group_subject("*"), cb=events.on_group)
     await trainer.subscribe(names.barrier_subject("*"), cb=events.on_barrier)
+    # A SUB is sent without waiting for the server: flush both sides, or the first
+    # announcements can be published before the trainer's subscriptions exist.
+    await trainer.flush()
+    await side.flush()
     feed = StepFeed(ManagerClient(trainer, "t"), events, RUN, 0, poll_s=0.2)
     given: list[int] = []
 
