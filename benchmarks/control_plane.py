@@ -86,7 +86,8 @@ class Publisher:
     async def heartbeats(self, nc: Any, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                reply = await request(nc, names.HEARTBEAT, self.beat(), wire.HeartbeatReply, 5.0)
+                reply = await request(nc, names.heartbeat_subject(self.iid), self.beat(),
+                                      wire.HeartbeatReply, 5.0)
             except RlboostError:  # answered late (or the manager is paused): the next one renews
                 reply = wire.HeartbeatReply()
             for rid in reply.revoke:  # a finished response leaves; a live one was taken back
@@ -105,10 +106,12 @@ class Publisher:
             stop = engine.natural_length(req) <= a.max_new_tokens  # else cut by the budget
             for off in range(0, len(tokens), CHUNK):
                 part, final = tokens[off:off + CHUNK], off + CHUNK >= len(tokens)
-                parts.append((rid, off + len(part), final, wire.encode(wire.TokenChunk(
+                chunk = wire.TokenChunk(
                     request_id=rid, instance_id=self.iid, epoch=a.epoch, weight_version=0,
                     offset=off, token_ids=part, final=final,
-                    finish_reason=("stop" if stop else "length") if final else None))))
+                    finish_reason=("stop" if stop else "length") if final else None)
+                chunk.mac = wire.chunk_mac(a.lease_key, chunk)
+                parts.append((rid, off + len(part), final, wire.encode(chunk)))
             per.append(parts)
         return [m for m in chain.from_iterable(zip_longest(*per)) if m is not None]
 
@@ -116,7 +119,7 @@ class Publisher:
         """As rollout_svc does: an engine step's chunks (one per live response) go out
         together, and all are acked before the next step's, so a response has at most one
         chunk in flight."""
-        subject = names.chunk_subject(self.run_id)
+        subject = names.chunk_subject(self.run_id, self.iid)
         for batch in engine_steps(msgs):
             await asyncio.gather(*(js.publish(subject, m[3], timeout=30.0) for m in batch))
             for rid, end, final, _ in batch:
@@ -153,7 +156,7 @@ async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
     await nc.subscribe(names.barrier_subject(run_id), cb=on_barrier)
     for p in pubs:  # register before the step starts, so dispatch spreads it evenly
         await nc.subscribe(names.assign_subject(p.iid), cb=p.on_assign)
-        await request(nc, names.HEARTBEAT, p.beat(), wire.HeartbeatReply, 10.0)
+        await request(nc, names.heartbeat_subject(p.iid), p.beat(), wire.HeartbeatReply, 10.0)
     # The trainer's side of the protocol: activate the run, start step 0 at version 0.
     await request(nc, names.TRAINER_POLL, wire.TrainerPoll(trainer_id="bench"), wire.ActiveRun)
     prompts = [[1, p % 10, 4 + p % 3, 3] for p in range(int(INGEST_SPEC["prompts_per_step"]))]

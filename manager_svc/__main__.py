@@ -20,7 +20,7 @@ def main() -> None:
     setup_logging(cfg.common.log_level, "manager")
     host = urlparse(cfg.common.manager_url).hostname or "127.0.0.1"
     bind = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
-    app = create_app(ManagerService(cfg))
+    app = create_app(ManagerService(cfg), bind_host=bind)
     uvicorn.run(app, host=bind, port=url_port(cfg.common.manager_url, 8000),
                 log_level=logging.getLevelName(logging.WARNING).lower(), access_log=False)
 

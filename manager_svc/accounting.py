@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -49,8 +50,10 @@ class CommitResult:
 class Ledger:
     """The manager's view of responses; stateless itself, everything lives in Redis."""
 
-    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float, migration: str = "token") -> None:
+    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float, migration: str = "token",
+                 lease_key: Callable[[str, int], str] = lambda rid, epoch: "") -> None:
         self.r = redis
+        self.lease_key = lease_key  # the MAC key of a lease, sent in its Assignment
         self.migration = migration  # "token" (resume) or "request" (restart: the ablation)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self._commit = register(redis, "commit.lua")
@@ -81,6 +84,7 @@ class Ledger:
             "version": version, "total": total, "remaining": total, "state": "rollout",
             "started_at": now, "tokens": 0, "migrations": 0, "preemptions": 0,
             "duplicate_chunks_dropped": 0, "stale_chunks_rejected": 0, "tokens_regenerated": 0,
+            "forged_chunks_rejected": 0, "invalid_chunks_dropped": 0,
             "tokens_reserved": 0, "tokens_spot": 0, **extra,
         }
         for p, prompt in enumerate(prompts):
@@ -165,7 +169,8 @@ class Ledger:
         meta = await self.r.hmget(Keys.request(rid), ["version", "max"])
         return Assignment(
             request_id=rid, run_id=run_id, step=step, prompt_index=p, sample_index=s,
-            weight_version=int(meta[0]), epoch=int(epoch), prompt_token_ids=_ints(prompt),
+            weight_version=int(meta[0]), epoch=int(epoch),
+            lease_key=self.lease_key(rid, int(epoch)), prompt_token_ids=_ints(prompt),
             committed_token_ids=_ints(tokens), max_new_tokens=int(meta[1]),
             temperature=temperature, seed=seed, eos_token_id=eos_token_id,
         )

@@ -1,15 +1,17 @@
 """The manager's REST API (the design's interface; clients and harnesses rely on it verbatim).
 
 Contract: JSON in and out; every error is a 4xx with a ``detail`` message. Validation errors are
-422, unknown ids 404, a missing or wrong bearer token 401 (only when RLBOOST_API_TOKEN is set).
-A broker outage is a 503 with a ``detail``; nothing reaches a user as a traceback. The routes
+422, unknown ids 404, a missing or wrong bearer token 401 (only when RLBOOST_API_TOKEN is set),
+a body over RLBOOST_MAX_BODY_BYTES 413; the token and the size are checked before any body is
+read (:mod:`shared.http_guard`). ``/metrics`` and the docs are open or behind the token as
+RLBOOST_EXPOSE says. A broker outage is a 503 with a ``detail``; nothing reaches a user as a
+traceback. The OpenAPI document declares the bearer scheme and every error status. The routes
 read through the service's parts (the run store, the instance registry); none holds state.
 """
 
 from __future__ import annotations
 
 import email.message
-import hmac
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -26,6 +28,7 @@ from redis.exceptions import RedisError
 
 from manager_svc.service import ManagerService
 from shared.errors import ProtocolError
+from shared.http_guard import INFO_PATHS, Access, Guard, document, info_open
 from shared.protocol import RunSpec, decode
 from shared.settings import reveal
 
@@ -60,7 +63,8 @@ async def run_spec_body(request: Request) -> RunSpec:
         raise HTTPException(422, [{"loc": loc, "msg": msg, "type": "value_error"}]) from exc
 
 
-def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAPI:
+def create_app(service: ManagerService, manage_lifecycle: bool = True,
+               bind_host: str = "127.0.0.1") -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_lifecycle:
@@ -73,15 +77,15 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
 
     app = FastAPI(title="rlboost manager", version="0.1.0", lifespan=lifespan)
     token = reveal(service.cfg.common.api_token)
+    limit = service.cfg.max_body_bytes
+    info = None if info_open(service.cfg.common.expose, bind_host) else "api"
 
-    async def auth(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
+    def rule(method: str, path: str) -> Access:
+        if path.startswith("/v1/"):
+            return Access("api", limit)
+        return Access(info if path in INFO_PATHS else None, limit)
+
+    app.add_middleware(Guard, rule=rule, tokens={"api": [token] if token else []})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -109,37 +113,36 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/runs", status_code=201, dependencies=[Depends(auth)],
-              openapi_extra=_SPEC_BODY,
-              responses={422: {"description": "Unknown fields or bad values in the run spec"}})
+    @app.post("/v1/runs", status_code=201,
+              openapi_extra=_SPEC_BODY)
     async def create_run(spec: Annotated[RunSpec, Depends(run_spec_body)]) -> dict[str, Any]:
         run = await service.runs.create(spec)
         service.soft.wake.set()
         return run
 
-    @app.get("/v1/runs", dependencies=[Depends(auth)])
+    @app.get("/v1/runs")
     async def list_runs() -> list[dict[str, Any]]:
         return await service.runs.list_runs()
 
-    @app.get("/v1/runs/{run_id}", dependencies=[Depends(auth)])
+    @app.get("/v1/runs/{run_id}")
     async def get_run(run_id: str) -> dict[str, Any]:
         run = await run_or_404(run_id)
         run["progress"] = await service.runs.step_progress(run_id, run["step"])
         return run
 
-    @app.post("/v1/runs/{run_id}/cancel", dependencies=[Depends(auth)])
+    @app.post("/v1/runs/{run_id}/cancel")
     async def cancel_run(run_id: str) -> dict[str, Any]:
         run = await service.runs.cancel(run_id)
         if run is None:
             raise HTTPException(404, f"no run {run_id!r}")
         return run
 
-    @app.get("/v1/runs/{run_id}/steps", dependencies=[Depends(auth)])
+    @app.get("/v1/runs/{run_id}/steps")
     async def run_steps(run_id: str) -> list[dict[str, Any]]:
         await run_or_404(run_id)
         return await service.runs.step_records(run_id)
 
-    @app.get("/v1/runs/{run_id}/steps/{step}/samples", dependencies=[Depends(auth)])
+    @app.get("/v1/runs/{run_id}/steps/{step}/samples")
     async def step_samples(run_id: str, step: int) -> list[dict[str, Any]]:
         await run_or_404(run_id)
         samples = await service.runs.samples(run_id, step)
@@ -147,18 +150,30 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True) -> FastAP
             raise HTTPException(404, f"step {step} of {run_id} has not finished")
         return samples
 
-    @app.get("/v1/instances", dependencies=[Depends(auth)])
+    @app.get("/v1/instances")
     async def instances() -> list[dict[str, Any]]:
         return await service.registry.instances()
 
     describe = app.openapi
 
     def openapi() -> dict[str, Any]:
-        """FastAPI's document, with the run spec's schemas beside its own."""
+        """FastAPI's document, with the run spec's schemas beside its own, the bearer scheme
+        and every error status."""
         if app.openapi_schema is None:
             doc = describe()
             doc.setdefault("components", {}).setdefault("schemas", {}).update(_SPEC_SCHEMAS)
+            document(doc, rule, _errors, {"api": "RLBOOST_API_TOKEN"})
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _errors(method: str, path: str) -> set[int]:
+    """The statuses a route answers besides success and the guard's (OpenAPI)."""
+    codes = {503} if path != "/metrics" and not path.startswith("/docs") else set()
+    if "{run_id}" in path:
+        codes |= {404, 422}
+    if method == "POST" and path == "/v1/runs":
+        codes |= {422}
+    return codes

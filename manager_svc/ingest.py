@@ -4,7 +4,10 @@ Contract: token chunks arrive through the durable JetStream consumer and are com
 order by :meth:`~manager_svc.accounting.Ledger.commit_many`, a batch in one Redis round trip, and
 acked only after their commit, so a manager killed at any point replays at most the unacked
 batch, which the ledger then drops as duplicates. A malformed chunk is counted, logged and
-terminated (never redelivered). A group or step completed by a commit is announced
+terminated (never redelivered); so is a forged one (its MAC, instance or run does not check out:
+:mod:`manager_svc.chunk_auth`; counted as the step's ``forged_chunks_rejected``) and one with a
+negative offset or a token id outside the run's vocabulary (``invalid_chunks_dropped``): no
+such chunk reaches the commit script. A group or step completed by a commit is announced
 (``GroupDone``), and a completed step freezes its digest and announces the barrier (the
 dispatcher calls :meth:`ChunkIngest.barrier` too, for a complete step whose barrier a killed
 manager never announced).
@@ -26,6 +29,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from manager_svc.accounting import Ledger
+from manager_svc.chunk_auth import ChunkAuth, invalid
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -47,17 +51,20 @@ log = logging.getLogger("manager")
 # Chunks pulled, committed in one Redis round trip (one AOF fsync) and acked together.
 FETCH_BATCH, FETCH_WAIT_S = 512, 0.5
 PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
+VOCAB_CACHE = 64  # steps whose vocabulary size is remembered
 
 
 class ChunkIngest:
     def __init__(self, redis: aioredis.Redis, nc: Nats, ledger: Ledger, runs: RunStore,
-                 metrics: ManagerMetrics, soft: SoftState) -> None:
+                 metrics: ManagerMetrics, soft: SoftState, auth: ChunkAuth) -> None:
         self.redis = redis
         self.nc = nc
         self.ledger = ledger
         self.runs = runs
         self.metrics = metrics
         self.soft = soft
+        self.auth = auth
+        self._vocab: dict[str, int] = {}  # step key -> the run's vocabulary size (0: unknown)
 
     async def consume(self) -> None:
         """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered
@@ -108,7 +115,10 @@ class ChunkIngest:
                 log.warning("dropped chunk: %s", exc)
                 await msg.term()
             else:
-                valid.append((msg, chunk))
+                if await self._admissible(msg, chunk):
+                    valid.append((msg, chunk))
+                else:
+                    await msg.term()
         results = await self.ledger.commit_many([c for _, c in valid], wait_for_redis=True)
         for (_, chunk), result in zip(valid, results, strict=True):
             self.metrics.chunks.labels(result.status).inc()
@@ -126,6 +136,36 @@ class ChunkIngest:
                     await self.barrier(run_id, step)
         for msg, _ in valid:
             await msg.ack()
+
+    async def _admissible(self, msg: NatsMsg, chunk: TokenChunk) -> bool:
+        """From its lease holder (MAC, subject) and committable at all (offset, vocabulary);
+        anything else is counted against its step, logged, and never committed."""
+        run_id, step, _, _ = names.parse_request_id(chunk.request_id)
+        skey = Keys.step(run_id, step)
+        if (why := self.auth.forged(chunk, msg.subject)) is not None:
+            result, counter = "forged", "forged_chunks_rejected"
+        elif (why := invalid(chunk, await self._vocab_size(skey))) is not None:
+            result, counter = "invalid", "invalid_chunks_dropped"
+        else:
+            return True
+        self.metrics.chunks.labels(result).inc()
+        if result == "forged":
+            self.metrics.forged.inc()
+        log.warning("%s chunk of %s as %s on %s: %s", result, chunk.request_id[:100],
+                    chunk.instance_id, msg.subject[:120], why)
+        if await self.redis.exists(skey):  # never a key for a step that does not exist
+            await self.redis.hincrby(skey, counter, 1)
+        return False
+
+    async def _vocab_size(self, skey: str) -> int:
+        size = self._vocab.get(skey)
+        if size is None:
+            size = int(await self.redis.hget(skey, "vocab") or 0)
+            if len(self._vocab) >= VOCAB_CACHE:
+                self._vocab.clear()
+            if size:
+                self._vocab[skey] = size
+        return size
 
     async def _announce_group(self, run_id: str, step: int, prompt: int) -> None:
         """Tell the trainer a group is complete, its samples attached when they fit."""

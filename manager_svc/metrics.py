@@ -16,6 +16,15 @@ class ManagerMetrics:
             "rlboost_tokens_committed_total", "Tokens committed exactly once",
             registry=self.registry,
         )
+        self.forged = Counter(
+            "rlboost_forged_chunks_rejected_total", "Chunks not from their lease holder (bad "
+            "MAC, or another instance's subject), rejected before any commit",
+            registry=self.registry,
+        )
+        self.logins = Counter(
+            "rlboost_nats_logins_total", "Rollout logins answered by the auth callout",
+            ["result"], registry=self.registry,
+        )
         self.malformed = Counter(
             "rlboost_malformed_messages_total", "Bus messages dropped because they do not parse",
             ["subject"], registry=self.registry,

@@ -59,7 +59,8 @@ class Registry:
         }
         held_rows = await self._register(
             keys=[Keys.instance(hb.instance_id), Keys.instances,
-                  Keys.instance_held(hb.instance_id), Keys.departed(hb.instance_id)],
+                  Keys.instance_held(hb.instance_id), Keys.departed(hb.instance_id),
+                  Keys.identity(hb.instance_id)],
             args=[json.dumps([str(x) for kv in fields.items() for x in kv]),
                   int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
                   fields["last_seen"]])
@@ -100,6 +101,9 @@ class Registry:
                 await self.redis.set(Keys.departed(rel.instance_id), rel.session,
                                      px=DEPARTED_TTL_MS)
             await self._forget(rel.instance_id)
+            # Its NATS identity too: a new process may log in under the id at once. (Only
+            # here: an expired instance's binding has expired with it.)
+            await self.redis.delete(Keys.identity(rel.instance_id))
         self.soft.wake.set()
         return Ack()
 

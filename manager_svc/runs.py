@@ -27,7 +27,8 @@ RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL = ("succeeded", "failed", "cancelled")
 # Step counters that can still move after the step's record is written (a zombie's late chunks).
 LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
-                 "stale_chunks_rejected", "tokens_regenerated")
+                 "stale_chunks_rejected", "tokens_regenerated", "forged_chunks_rejected",
+                 "invalid_chunks_dropped")
 
 
 class RunStore:

@@ -8,7 +8,9 @@ clients, builds the parts (run store, ledger, instance registry, chunk ingest, d
 trainer API; each a plain class given what it uses), answers the bus subjects with their
 handlers and supervises the two background loops (chunk ingest, dispatch) until :meth:`stop`.
 Every bus handler validates its message; a malformed one is counted, logged and answered with
-``Ack(ok=False)``.
+``Ack(ok=False)``, and so is an instance's message whose id differs from its subject's (an
+instance speaking in another's name). With RLBOOST_NATS_ISSUER_SEED set it also answers the
+NATS server's auth callout (:mod:`manager_svc.callout`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from nats.aio.msg import Msg as NatsMsg
 from redis.exceptions import RedisError
 
 from manager_svc.accounting import Ledger
+from manager_svc.callout import AuthCallout
+from manager_svc.chunk_auth import ChunkAuth
 from manager_svc.dispatcher import Dispatcher
 from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
@@ -50,6 +54,7 @@ from shared.protocol import (
     decode,
     encode,
 )
+from shared.settings import reveal
 
 log = logging.getLogger("manager")
 M = TypeVar("M", bound=msgspec.Struct)
@@ -73,15 +78,21 @@ class ManagerService:
         self.ingest: ChunkIngest
         self.dispatcher: Dispatcher
         self.trainer: TrainerApi
+        self.auth: ChunkAuth
 
     async def start(self) -> None:
         self.redis = await connect_redis(self.cfg.common.redis_url)
         self.nc = await connect_nats(self.cfg.common.nats_url, "manager")
+        self.auth = await ChunkAuth.load(self.redis)
         self._wire()
+        seed, password = reveal(self.cfg.issuer_seed), reveal(self.cfg.rollout_password)
+        if seed is not None and password is not None:
+            await AuthCallout(self.nc, self.redis, seed, password, self.metrics).start()
         await ensure_chunk_stream(self.nc.jetstream())
-        await self._serve(names.HEARTBEAT, Heartbeat, self.registry.on_heartbeat,
-                          key=lambda hb: hb.instance_id)
-        await self._serve(names.RELEASE, Release, self.registry.on_release)
+        await self._serve(names.HEARTBEAT_ANY, Heartbeat, self.registry.on_heartbeat,
+                          key=lambda hb: hb.instance_id, owner=lambda hb: hb.instance_id)
+        await self._serve(names.RELEASE_ANY, Release, self.registry.on_release,
+                          owner=lambda rel: rel.instance_id)
         await self._serve(names.TRAINER_POLL, TrainerPoll, self.trainer.on_poll)
         await self._serve(names.TRAINER_START, StepStart, self.trainer.on_step_start)
         await self._serve(names.TRAINER_SAMPLES, StepSamplesQuery, self.trainer.on_samples)
@@ -97,9 +108,9 @@ class ManagerService:
         """The parts, each given what it uses; none reaches another except through these."""
         cfg, redis, nc, metrics, soft = self.cfg, self.redis, self.nc, self.metrics, self.soft
         self.runs = RunStore(redis)
-        self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration)
+        self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key)
         self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft)
-        self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft)
+        self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth)
         self.dispatcher = Dispatcher(cfg, redis, nc, self.ledger, self.runs, self.registry,
                                      self.ingest, metrics, soft)
         self.trainer = TrainerApi(redis, self.ledger, self.runs, self.registry, metrics, soft)
@@ -136,14 +147,18 @@ class ManagerService:
                 await asyncio.sleep(0.5)
 
     async def _serve(self, subject: str, kind: type[M], handler: Callable[[M], Awaitable[Any]],
-                     key: Callable[[M], str] | None = None) -> None:
+                     key: Callable[[M], str] | None = None,
+                     owner: Callable[[M], str] | None = None) -> None:
         """Answer with ``handler`` one message at a time; with ``key``, in order per key but
-        concurrently across keys (all in one queue, heartbeats came late and leases expired)."""
+        concurrently across keys (all in one queue, heartbeats came late and leases expired).
+        With ``owner``, a message must come on the subject of the instance it names."""
         async def callback(msg: NatsMsg, after: asyncio.Task[None] | None = None) -> None:
             if after is not None:
                 await asyncio.wait([after])
             try:
                 request = decode(msg.data, kind)
+                if owner is not None and owner(request) != names.subject_instance(msg.subject):
+                    raise ProtocolError(kind.__name__, "instance id differs from its subject's")
             except ProtocolError as exc:
                 self.metrics.malformed.labels(subject).inc()
                 log.warning("dropped %s", exc)

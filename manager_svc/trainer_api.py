@@ -79,7 +79,8 @@ class TrainerApi:
         created = await self.ledger.create_step(
             msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
             spec.samples_per_prompt, spec.max_new_tokens,
-            extra={"eos": msg.eos_token_id, "mode": mode, "window_s": window,
+            extra={"eos": msg.eos_token_id, "vocab": msg.vocab_size, "mode": mode,
+                   "window_s": window,
                    # Seeding off and spot capacity present: the reserved side only trains.
                    "reserved_free": int(mode == "off" and spot_alive > 0)},
         )

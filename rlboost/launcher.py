@@ -76,6 +76,9 @@ class Cluster:
     extra_env: dict[str, str] = field(default_factory=dict)
     base_env: dict[str, str] | None = None  # default: the RLBOOST_* variables of this process
     stack: Stack | None = None
+    # Per role (manager, trainer, weights, rollout), what its environment changes: each
+    # service's own NATS login on locked brokers (Stack.role_env).
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -89,6 +92,7 @@ class Cluster:
             self.stack.start()
             for key, value in self.stack.env().items():
                 env.setdefault(key, value)
+            self.role_env = self.stack.role_env()
         env.setdefault("RLBOOST_MANAGER_URL", f"http://127.0.0.1:{_port_or_free(8000)}")
         env.setdefault("RLBOOST_WEIGHTS_URL", f"http://127.0.0.1:{_port_or_free(8001)}")
         # Four torch processes share two cores: one intra-op thread each avoids thrashing.
@@ -97,11 +101,11 @@ class Cluster:
         env.update(self.extra_env)
         self.env = env
         py = sys.executable
-        self._spawn("weights", [py, "-m", "weight_svc"], {}, logs)
-        self._spawn("manager", [py, "-m", "manager_svc"], {}, logs)
+        self._spawn("weights", [py, "-m", "weight_svc"], self.role_env.get("weights", {}), logs)
+        self._spawn("manager", [py, "-m", "manager_svc"], self.role_env.get("manager", {}), logs)
         self.wait_http(env["RLBOOST_MANAGER_URL"])
         self.wait_http(env["RLBOOST_WEIGHTS_URL"])
-        self._spawn("trainer", [py, "-m", "trainer_svc"], {}, logs)
+        self._spawn("trainer", [py, "-m", "trainer_svc"], self.role_env.get("trainer", {}), logs)
         for kind, count in (("reserved", self.reserved), ("spot", self.spot)):
             for i in range(count):
                 self.add_instance(kind, f"{kind}-{i}")
@@ -109,7 +113,8 @@ class Cluster:
     def add_instance(self, kind: str, instance_id: str,
                      extra: dict[str, str] | None = None) -> Child:
         return self._spawn(instance_id, [sys.executable, "-m", "rollout_svc"], {
-            "RLBOOST_INSTANCE_KIND": kind, "RLBOOST_INSTANCE_ID": instance_id,
+            **self.role_env.get("rollout", {}), "RLBOOST_INSTANCE_KIND": kind,
+            "RLBOOST_INSTANCE_ID": instance_id,
             "RLBOOST_ENGINE": self.env.get("RLBOOST_ENGINE", self.engine), **(extra or {}),
         }, self.root / "logs")
 

@@ -2,10 +2,12 @@
 
 Contract: the instance holds nothing the system needs. Its work arrives as leased assignments;
 it streams every ``chunk_tokens`` tokens of each response to the durable chunk stream, stamped
-with the lease epoch, and renews its leases with each heartbeat. SIGTERM is a preemption
-notice: it stops taking work, commits what it has generated, hands its responses back and
-exits within the grace period. SIGKILL is safe too: its leases expire and its responses continue
-elsewhere from their last committed token.
+with the lease epoch and a MAC under the lease's key, and renews its leases with each heartbeat.
+It logs in to NATS with a key pair made for this process (:mod:`shared.identity`), under which
+the manager's auth callout lets it use its own subjects only; it holds the weights read token.
+SIGTERM is a preemption notice: it stops taking work, commits what it has generated, hands its
+responses back and exits within the grace period. SIGKILL is safe too: its leases expire and its
+responses continue elsewhere from their last committed token.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from shared import names
 from shared.bus import connect_nats, request
 from shared.config import RolloutConfig
 from shared.errors import ProtocolError, RlboostError
+from shared.identity import new_user_seed
 from shared.metrics import serve_metrics
 from shared.process import cancel_and_wait, wait_event
 from shared.protocol import (
@@ -41,6 +44,7 @@ from shared.protocol import (
     Revoke,
     TokenChunk,
     WeightsAnnounce,
+    chunk_mac,
     decode,
     decode_command,
     encode,
@@ -98,6 +102,7 @@ class RolloutService:
         self.metrics = RolloutMetrics()
         self.metrics_port = 0
         self.session = secrets.token_hex(8)
+        self._nkey_seed = new_user_seed()  # this process's NATS identity, never written down
         self.nc: Nats
         self.js: JetStreamContext
 
@@ -106,10 +111,13 @@ class RolloutService:
         self.metrics_port = serve_metrics(self.metrics.registry, common.metrics_addr,
                                           common.metrics_port)
         # Serves this instance's verified weight chunks to joining peers (shared.weights.peer).
-        self.peer = PeerServer.from_config(self.weights_dir, reveal(common.weights_token),
+        self.peer = PeerServer.from_config(self.weights_dir, reveal(common.weights_read_token),
                                            self.cfg.peer)
         self.peer.start()
-        self.nc = await connect_nats(common.nats_url, self.cfg.instance_id)
+        # Long deadline: a login waits for the manager's auth callout, which may start later.
+        self.nc = await connect_nats(common.nats_url, self.cfg.instance_id, deadline_s=120.0,
+                                     nkey_seed=self._nkey_seed,
+                                     inbox_prefix=names.inbox_prefix(self.cfg.instance_id))
         self.js = self.nc.jetstream()
         await self.nc.subscribe(names.assign_subject(self.cfg.instance_id), cb=self._on_assign)
         await self.nc.subscribe(names.WEIGHTS_ANNOUNCE, cb=self._on_announce)
@@ -153,7 +161,7 @@ class RolloutService:
         held = [Held(request_id=rid, epoch=i.assignment.epoch, published=i.offset)
                 for rid, i in self.inflight.items()]
         with contextlib.suppress(RlboostError):
-            await request(self.nc, names.RELEASE, Release(
+            await request(self.nc, names.release_subject(self.cfg.instance_id), Release(
                 instance_id=self.cfg.instance_id, held=held, leaving=True,
                 reason="preempt" if self._reason == "preempt" else "shutdown",
                 session=self.session), Ack, 5.0)
@@ -178,8 +186,9 @@ class RolloutService:
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
-                reply = await request(self.nc, names.HEARTBEAT, self._heartbeat(),
-                                      HeartbeatReply, timeout_s=max(1.0, self.cfg.heartbeat_s * 2))
+                reply = await request(
+                    self.nc, names.heartbeat_subject(self.cfg.instance_id), self._heartbeat(),
+                    HeartbeatReply, timeout_s=max(1.0, self.cfg.heartbeat_s * 2))
             except (RlboostError, ProtocolError) as exc:
                 log.debug("heartbeat: %s", exc)
             else:
@@ -222,7 +231,7 @@ class RolloutService:
         self.state = "loading"
         try:
             common = self.cfg.common
-            path = await pull_version(common.weights_url, reveal(common.weights_token), run_id,
+            path = await pull_version(common.weights_url, reveal(common.weights_read_token), run_id,
                                       version, self.weights_dir, timeout_s=30.0,
                                       peers=True, serve=self.peer)
             with self.metrics.load_seconds.time():
@@ -321,9 +330,11 @@ class RolloutService:
             final=final, finish_reason=item.finish_reason if final else None,  # type: ignore[arg-type]
             kind=self.cfg.kind,
         )
+        chunk.mac = chunk_mac(a.lease_key, chunk)
+        subject = names.chunk_subject(a.run_id, self.cfg.instance_id)
         for attempt in range(20):
             try:
-                await self.js.publish(names.chunk_subject(a.run_id), encode(chunk), timeout=2.0)
+                await self.js.publish(subject, encode(chunk), timeout=2.0)
                 break
             except Exception as exc:  # broker restart: retry while the lease may still hold
                 log.warning("publishing a chunk of %s failed (%s); retrying", rid, exc)

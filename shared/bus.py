@@ -2,7 +2,13 @@
 
 Contract: clients are created by the service that owns them (never at module level) and closed
 by it. Connecting retries until a deadline, because in a real deployment the brokers may start
-after the services. A request always has a timeout; a missing reply is a :class:`PeerTimeout`.
+after the services (and a rollout instance's login waits for the manager's auth callout). A
+request always has a timeout; a missing reply is a :class:`PeerTimeout`.
+
+A rollout instance connects with ``nkey_seed`` (its process's own key, see
+:mod:`shared.identity`): the password of its URL then goes as nats-py's token beside the
+signed nonce (nats-py sends a user and password only without an nkey), and the URL that
+reaches nats-py carries no credential.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TypeVar
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import msgspec
 import nats
@@ -32,14 +39,34 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
-async def connect_nats(url: str, name: str, deadline_s: float = 30.0) -> Nats:
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its user info, and the password (or bare token) it carried."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at:
+        return url, None
+    user, colon, password = userinfo.partition(":")
+    return urlunsplit(parts._replace(netloc=hostport)), unquote(password if colon else user)
+
+
+async def connect_nats(url: str, name: str, deadline_s: float = 30.0,
+                       nkey_seed: str | None = None, inbox_prefix: str | None = None) -> Nats:
     """Connect, retrying until ``deadline_s``; once up, the client reconnects forever."""
     end = time.monotonic() + deadline_s
+    options: dict[str, Any] = {}
+    if inbox_prefix is not None:
+        options["inbox_prefix"] = inbox_prefix
+    if nkey_seed is not None:
+        url, secret = split_credentials(url)
+        options["nkeys_seed_str"] = nkey_seed
+        if secret is not None:
+            options["token"] = secret
     while True:
         try:
             return await nats.connect(
                 url,
                 name=name,
+                **options,
                 connect_timeout=2,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,

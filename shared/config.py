@@ -14,11 +14,12 @@ setting is read, checked and masked lives in :mod:`shared.settings`.
 
 from __future__ import annotations
 
+import re
 import shlex
 import socket
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlparse
 
 from pydantic import (
@@ -28,10 +29,13 @@ from pydantic import (
     SecretStr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import NoDecode
 
-from shared.settings import Settings, UrlOf, setting
+from shared.identity import IdentityError, public_key
+from shared.names import INSTANCE_ID_MAX, valid_instance_id
+from shared.settings import Settings, UrlOf, reveal, setting
 
 Engine = Literal["torch", "sglang", "emu"]
 ENGINES: tuple[Engine, ...] = ("torch", "sglang", "emu")
@@ -74,9 +78,11 @@ class Common(Settings):
     api_token: SecretStr | None = setting(
         "RLBOOST_API_TOKEN", None, "REST bearer token; unset = open (local dev only)")
     weights_token: SecretStr | None = setting(
-        "RLBOOST_WEIGHTS_TOKEN", None, "the weight service's bearer token (it, the trainer, "
-        "rollout instances and their peers); unset = RLBOOST_API_TOKEN",
-        fallback="RLBOOST_API_TOKEN")
+        "RLBOOST_WEIGHTS_TOKEN", None, "the weight service's write token: upload, commit, pin "
+        "(the trainer; it reads too); unset with no read token = open")
+    weights_read_token: SecretStr | None = setting(
+        "RLBOOST_WEIGHTS_READ_TOKEN", None, "the weight service's read token: manifests, "
+        "downloads, peer registration (rollout instances and their peers)")
     data_dir: Annotated[Path, AfterValidator(Path.resolve)] = setting(
         "RLBOOST_DATA_DIR", Path("./data"), "where a service keeps its files")
     log_level: Annotated[str, AfterValidator(str.upper)] = setting(
@@ -90,6 +96,9 @@ class Common(Settings):
         "RLBOOST_METRICS_PORT", 0, "port of that /metrics; 0 = any free port", ge=0)
     emu_time_scale: float = setting(
         "RLBOOST_EMU_TIME_SCALE", 1.0, "emu: multiplies every modelled GPU time", ge=0.0)
+    expose: Literal["auto", "open", "token"] = setting(
+        "RLBOOST_EXPOSE", "auto", "/metrics, /docs and /openapi.json of the manager and the "
+        "weight service: open, behind the bearer token, or auto = open only on a loopback bind")
 
 
 class ManagerConfig(Settings):
@@ -114,6 +123,30 @@ class ManagerConfig(Settings):
     midstep_join: Annotated[bool, BeforeValidator(_on_off)] = setting(
         "RLBOOST_MIDSTEP_JOIN", "on", "on: an instance joining mid-step takes work at once; "
         "off: it waits for the next step (ablation)")
+    issuer_seed: SecretStr | None = setting(
+        "RLBOOST_NATS_ISSUER_SEED", None, "account nkey seed the NATS auth callout signs "
+        "rollout identities with (its public key is NATS_ISSUER in nats.conf); unset = no "
+        "callout")
+    rollout_password: SecretStr | None = setting(
+        "RLBOOST_NATS_ROLLOUT_PASSWORD", None, "the NATS password of user rollout, checked by "
+        "the callout (NATS_ROLLOUT_PASSWORD); required with the issuer seed")
+    max_body_bytes: int = setting(
+        "RLBOOST_MAX_BODY_BYTES", 1 << 20, "a larger REST request body is refused with 413", ge=1)
+
+    @model_validator(mode="after")
+    def _callout(self) -> Self:
+        seed = reveal(self.issuer_seed)
+        if seed is not None:
+            try:
+                key = public_key(seed)
+            except IdentityError:
+                key = ""
+            if not key.startswith("A"):
+                raise ValueError("RLBOOST_NATS_ISSUER_SEED: not an account nkey seed (SA...)")
+            if self.rollout_password is None:
+                raise ValueError("RLBOOST_NATS_ROLLOUT_PASSWORD: required with "
+                                 "RLBOOST_NATS_ISSUER_SEED")
+        return self
 
 
 class PeerConfig(Settings):
@@ -166,11 +199,21 @@ class RolloutConfig(Settings):
     @classmethod
     def _instance_id(cls, value: str, info: ValidationInfo) -> str:
         # Unset: a name that is new on each start; RLBOOST_INSTANCE_ID keeps one across restarts.
-        value = value or f"{info.data.get('kind', 'spot')}-{socket.gethostname()}-" \
-            f"{uuid.uuid4().hex[:6]}"
-        if not value.replace("-", "").replace("_", "").isalnum():
-            raise ValueError("letters, digits, '-' and '_' only")
+        if not value:
+            host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:40]
+            value = f"{info.data.get('kind', 'spot')}-{host}-{uuid.uuid4().hex[:6]}"
+        if not valid_instance_id(value):
+            raise ValueError(f"letters, digits, '-' and '_' only, at most {INSTANCE_ID_MAX} "
+                             "characters, starting with a letter or digit")
         return value
+
+    @model_validator(mode="after")
+    def _emu_ids(self) -> Self:
+        # Several emu instances per process are named <id>-<k>: those names must be ids too.
+        if not valid_instance_id(f"{self.instance_id}-{self.instances - 1}"):
+            raise ValueError(f"RLBOOST_INSTANCE_ID: {self.instance_id!r} with the suffix "
+                             f"-{self.instances - 1} is longer than {INSTANCE_ID_MAX}")
+        return self
 
 
 class TrainerConfig(Settings):
@@ -201,14 +244,22 @@ class WeightsConfig(Settings):
         ge=1)
     max_file_bytes: int = setting(
         "RLBOOST_WEIGHTS_MAX_FILE_BYTES", 8 << 30, "a larger upload is refused with 413", ge=1)
+    max_connections: int = setting(
+        "RLBOOST_WEIGHTS_MAX_CONNECTIONS", 64, "concurrent connections of the sendfile data "
+        "port (and of each peer chunk server); more are answered 503 at once", ge=1)
     data_port: Port = setting(
         "RLBOOST_WEIGHTS_DATA_PORT", 0, "port of the sendfile download server; 0 = any free "
         "port")
 
     @property
     def token(self) -> SecretStr | None:
-        """The bearer token the service requires: RLBOOST_WEIGHTS_TOKEN, else the API token."""
+        """The write token (upload, commit, pin); it reads too."""
         return self.common.weights_token
+
+    @property
+    def read_token(self) -> SecretStr | None:
+        """The read token (manifests, downloads, peer registration)."""
+        return self.common.weights_read_token
 
 
 # Every settings class by the service(s) that read it: the README's settings table, row source.

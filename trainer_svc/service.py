@@ -203,7 +203,7 @@ class TrainerService:
         prompts = task.make_prompts(run.spec.seed, step, run.spec.prompts_per_step)
         await self.manager.start_step(StepStart(
             run_id=run.run_id, step=step, weight_version=step, prompt_token_ids=prompts,
-            eos_token_id=run.policy.eos_id))
+            eos_token_id=run.policy.eos_id, vocab_size=run.policy.vocab_size))
         clock = StepClock()
         run.begin_step()
         feed = StepFeed(self.manager, self.events, run.run_id, step, self.cfg.poll_s)

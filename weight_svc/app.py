@@ -1,6 +1,10 @@
 """The weight service's REST API: a thin layer over :class:`weight_svc.store.Store`.
 
-Endpoints (every ``/v1`` one requires ``Authorization: Bearer <token>`` when a token is set):
+Endpoints (every ``/v1`` one requires ``Authorization: Bearer <token>`` when a token is set:
+the write token RLBOOST_WEIGHTS_TOKEN for PUT, commit and pin/unpin, the read token
+RLBOOST_WEIGHTS_READ_TOKEN or the write token for the rest; a read token on a write route is
+403. Tokens and body limits are checked before any body is read (:mod:`shared.http_guard`):
+uploads up to RLBOOST_WEIGHTS_MAX_FILE_BYTES, every other body up to 64 KiB):
     GET    /healthz                                    {"ok": true}
     GET    /metrics                                    Prometheus text
     GET    /v1/weights/{run_id}                        {"run_id", "versions", "pinned"}
@@ -27,13 +31,13 @@ Contract: every error is JSON ``{"detail": ...}`` with a 4xx status (507 when th
 fails); no traceback ever reaches a client. Bodies stream in both directions, so memory use does
 not grow with file size. Downloads are served by our own range code rather than Starlette's
 FileResponse (which supports ranges in this version) so that a bad range gets a JSON detail like
-every other error and served bytes are counted.
+every other error and served bytes are counted. Ranges are parsed by the data plane's own
+parser (:func:`shared.weights.range_server.parse_range`), so both ports answer alike.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import re
@@ -42,7 +46,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, BinaryIO
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import (
@@ -57,8 +61,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from shared.config import WeightsConfig
+from shared.http_guard import INFO_PATHS, Access, Guard, document, info_open
 from shared.settings import reveal
 from shared.weights.manifest import Manifest
+from shared.weights.range_server import RangeError, parse_range
 from weight_svc.announce import Announcer
 from weight_svc.peers import (
     DATA_PORT_HEADER,
@@ -73,7 +79,9 @@ log = logging.getLogger(__name__)
 
 _WRITE_BATCH = 1 << 20  # request pieces are small; one thread hop per MiB, not per piece
 _READ_BLOCK = 1 << 20
-_RANGE_RE = re.compile(r"bytes=(\d*)-(\d*)")
+MAX_BODY = 64 << 10  # every body but an upload: a peer registration is ~50 bytes
+_UPLOAD = re.compile(r"/v1/weights/[^/]+/[^/]+/files/[^/]+")
+_WRITE = re.compile(r"/v1/weights/[^/]+/[^/]+/(commit|pin)")
 
 
 class Metrics:
@@ -96,25 +104,6 @@ def _error(status: int, detail: Any, headers: Mapping[str, str] | None = None) -
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
-def _parse_range(header: str, size: int) -> tuple[int, int]:
-    """One ``bytes=`` range -> [start, end) within the file; StoreError(416) otherwise."""
-    m = _RANGE_RE.fullmatch(header.strip())
-    if m is None or (not m[1] and not m[2]):
-        raise StoreError(416, f"unsupported Range {header[:80]!r}: one bytes=a-b range only")
-    if not m[1]:  # suffix form: the last n bytes
-        start, end = max(size - int(m[2]), 0), size
-        if int(m[2]) == 0:
-            start = size
-    else:
-        start = int(m[1])
-        end = size if not m[2] else min(int(m[2]) + 1, size)
-        if m[2] and int(m[2]) < start:
-            raise StoreError(416, f"Range {header[:80]!r} ends before it starts")
-    if start >= size or start >= end:
-        raise StoreError(416, f"Range {header[:80]!r} outside a file of {size} bytes")
-    return start, end
-
-
 class PeerIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field(max_length=300)  # http://host:port of the peer's chunk server
@@ -123,13 +112,23 @@ class PeerIn(BaseModel):
 def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI:
     """The service; ``limits`` default to the configured ones (tests pass small chunks)."""
     store = Store(cfg.common.data_dir, limits or StoreLimits.of(cfg))
-    token = reveal(cfg.token)
+    write, read = reveal(cfg.token), reveal(cfg.read_token)
     metrics = Metrics()
     peers = PeerRegistry()
-    data = DataPlane(
-        store, bind_host(cfg.common.weights_url), cfg.data_port, token,
-        metrics.bytes_served.inc,
-    )
+    host = bind_host(cfg.common.weights_url)
+    readers = [t for t in (read, write) if t]
+    data = DataPlane(store, host, cfg.data_port, readers, metrics.bytes_served.inc,
+                     cfg.max_connections)
+    info = None if info_open(cfg.common.expose, host) else "read"
+
+    def rule(method: str, path: str) -> Access:
+        if path.startswith("/v1/"):
+            if method == "PUT" and _UPLOAD.fullmatch(path):
+                return Access("write", store.limits.max_file_bytes)
+            if _WRITE.fullmatch(path) and method in ("POST", "DELETE"):
+                return Access("write", MAX_BODY)
+            return Access("read", MAX_BODY)
+        return Access(info if path in INFO_PATHS else None, MAX_BODY)
     announcer = Announcer(cfg.common.nats_url)
     run_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
@@ -155,17 +154,9 @@ def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI
             await asyncio.to_thread(data.close)
             await announcer.close()
 
-    app = FastAPI(title="rlboost weight service", lifespan=lifespan)
-
-    async def require_token(request: Request) -> None:
-        if token is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time a comparison takes must not leak how much of a guess matched
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
-        if not ok:
-            detail = "missing or wrong bearer token"
-            raise HTTPException(401, detail, {"WWW-Authenticate": "Bearer"})
+    app = FastAPI(title="rlboost weight service", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(Guard, rule=rule,
+                       tokens={"read": readers, "write": [write] if write else []})
 
     @app.exception_handler(StoreError)
     async def on_store_error(request: Request, exc: StoreError) -> JSONResponse:
@@ -196,7 +187,7 @@ def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1/weights", dependencies=[Depends(require_token)])
+    v1 = APIRouter(prefix="/v1/weights")
 
     @v1.get("/{run_id}")
     async def list_versions(run_id: str) -> dict[str, Any]:
@@ -290,8 +281,8 @@ def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI
         status, start, end = 200, 0, size
         if (header := request.headers.get("range")) is not None:
             try:
-                start, end = _parse_range(header, size)
-            except StoreError as exc:
+                start, end = parse_range(header, size)
+            except RangeError as exc:
                 f.close()
                 metrics.errors.labels("416").inc()
                 return _error(416, exc.detail, {"Content-Range": f"bytes */{size}"})
@@ -302,7 +293,31 @@ def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI
         return StreamingResponse(body, status, headers, "application/octet-stream")
 
     app.include_router(v1)
+    describe = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document(describe(), rule, _errors, {
+                "read": "RLBOOST_WEIGHTS_READ_TOKEN (or the write token)",
+                "write": "RLBOOST_WEIGHTS_TOKEN"})
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _errors(method: str, path: str) -> set[int]:
+    """The statuses a route answers besides success and the guard's (OpenAPI)."""
+    if not path.startswith("/v1/"):
+        return set()
+    codes = {404, 422, 507}
+    if path.endswith("/files/{name}"):
+        codes |= {400, 409} if method == "PUT" else {416}
+    if path.endswith("/commit") or path.endswith("/pin"):
+        codes |= {409}
+    if path.endswith("/peers") and method == "POST":
+        codes |= {429}
+    return codes
 
 
 async def _stream(f: BinaryIO, start: int, end: int, metrics: Metrics) -> AsyncIterator[bytes]:

@@ -11,7 +11,8 @@ Contract:
 - :class:`DataPlane` serves file downloads with ``sendfile`` on a second port of the same host
   (``RLBOOST_WEIGHTS_DATA_PORT``, 0 = any free port), advertised by the ``X-Rlboost-Data-Port``
   header of manifest replies. Same paths, same token, same egress counter as the REST API, which
-  keeps serving downloads too (slowly) for clients that do not know the data plane.
+  keeps serving downloads too (slowly) for clients that do not know the data plane. It takes
+  the read or the write token, and serves at most RLBOOST_WEIGHTS_MAX_CONNECTIONS at once.
 """
 
 from __future__ import annotations
@@ -95,11 +96,13 @@ class DataPlane:
         store: Store,
         host: str,
         port: int,
-        token: str | None,
+        tokens: list[str],
         on_served: Callable[[int], None],
+        max_connections: int,
     ) -> None:
         self.store = store
-        self.server = RangeServer(host, port, "/v1/weights", self._resolve, token, on_served)
+        self.server = RangeServer(host, port, "/v1/weights", self._resolve, tokens, on_served,
+                                  max_connections=max_connections)
 
     @property
     def port(self) -> int:

@@ -9,8 +9,10 @@ directory, published by :func:`shared.weights.pull.pull_version` after every chu
 while a pull is running, exactly the chunks that pull recorded as verified (chunk-level
 availability, so joiners that start together feed each other); ``fetching`` lists the chunks that
 pull has in flight from the service, so other joiners wait for them instead of fetching the same
-bytes from the service at the same time. Any other range is 404. It
-requires the weights token when one is set, binds RLBOOST_PEER_ADDR (default 127.0.0.1) on
+bytes from the service at the same time. Any other range is 404. It requires the weights
+read token when one is set (checked before anything else; at most
+``range_server.MAX_CONNECTIONS`` connections at once), binds RLBOOST_PEER_ADDR (default
+127.0.0.1) on
 RLBOOST_PEER_PORT (default any free port; both read by :class:`shared.config.PeerConfig`), and
 announces itself to the weight service
 (``POST /v1/weights/<run>/<version>/peers``) for every version it serves, refreshing every
@@ -128,7 +130,7 @@ class PeerServer:
         self._refresher: threading.Thread | None = None
         self.bytes_served = 0
         self.server = RangeServer(
-            host, port, PEER_PREFIX, self._resolve, token, self._count,
+            host, port, PEER_PREFIX, self._resolve, [token] if token else [], self._count,
             json_hook=self._json, range_hook=self._check_range,
         )
         self.url = advertise or f"http://{host}:{self.server.port}"

@@ -4,9 +4,13 @@ Contract: :class:`RangeServer` answers ``GET <prefix>/<run_id>/<version>/files/<
 ``Range: bytes=a-b`` (206) or without one (200), and ``GET <prefix>/<run_id>/<version>/<what>``
 through an optional JSON hook; everything else is 404. Which file a request may read is decided by
 a resolver the owner supplies (the weight service's store, or a peer's verified copies); ids and
-names are validated before the resolver sees them. With a token set, every request needs
-``Authorization: Bearer <token>``. Errors are JSON ``{"detail": ...}`` with a 4xx status. Served
-file bytes are reported to ``on_served`` (the owner's egress counter).
+names are validated before the resolver sees them. With tokens set, every request needs
+``Authorization: Bearer <one of them>``, checked before anything else is read or done. At most
+``max_connections`` connections are served at once (one thread each); a connection beyond that
+is answered 503 at once and closed, so idle sockets cannot pile up threads. Errors are JSON
+``{"detail": ...}`` with a 4xx status (503 for the cap). Served file bytes are reported to
+``on_served`` (the owner's egress counter). :func:`parse_range` is the one Range parser of the
+weight service's ports (REST and data plane): bounded, so a 4,300-digit range is a 416.
 
 Why a separate server: the kernel moves file pages to the socket with ``sendfile`` without a copy
 through Python, so one connection runs at the link's limit on a single core, where an asyncio ASGI
@@ -16,12 +20,13 @@ below a quarter of loopback TCP). Each connection gets a thread; the bytes never
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,8 @@ from shared.weights.manifest import valid_name, valid_run_id, valid_version
 
 log = logging.getLogger(__name__)
 
-_RANGE_RE = re.compile(r"bytes=(\d{1,19})-(\d{0,19})")
+_RANGE_RE = re.compile(r"bytes=(\d{0,19})-(\d{0,19})")
+MAX_CONNECTIONS = 64
 _PATH_RE = re.compile(r"/([^/]{1,200})/(\d{1,10})/(files/)?([^/]{1,200})")
 
 
@@ -50,12 +56,18 @@ RangeHook = Callable[[str, int, str, int, int], None]
 
 
 def parse_range(header: str, size: int) -> tuple[int, int]:
-    """One ``bytes=a-b`` or ``bytes=a-`` range -> [start, end); RangeError(416) otherwise."""
-    m = _RANGE_RE.fullmatch(header.strip())
-    if m is None:
+    """One ``bytes=a-b``, ``bytes=a-`` or ``bytes=-n`` range -> [start, end);
+    RangeError(416) otherwise (numbers of at most 19 digits: nothing unbounded is parsed)."""
+    m = _RANGE_RE.fullmatch(header.strip()[:64])
+    if m is None or len(header.strip()) > 64 or (not m[1] and not m[2]):
         raise RangeError(416, f"unsupported Range {header[:80]!r}: one bytes=a-b range only")
-    start = int(m[1])
-    end = size if not m[2] else min(int(m[2]) + 1, size)
+    if not m[1]:  # suffix form: the last n bytes
+        start, end = max(size - int(m[2]), 0), size
+    else:
+        start = int(m[1])
+        if m[2] and int(m[2]) < start:
+            raise RangeError(416, f"Range {header[:80]!r} ends before it starts")
+        end = size if not m[2] else min(int(m[2]) + 1, size)
     if start >= end:
         raise RangeError(416, f"Range {header[:80]!r} outside a file of {size} bytes")
     return start, end
@@ -78,12 +90,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get(self) -> None:
         srv = self.server
-        if srv.token is not None:
+        if srv.tokens:
             scheme, _, given = self.headers.get("authorization", "").partition(" ")
             # compare_digest: the time taken must not leak how much of a guess matched
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(
-                given.encode(), srv.token.encode()
-            )
+            ok = scheme.lower() == "bearer" and any(
+                hmac.compare_digest(given.encode(), t) for t in srv.tokens)
             if not ok:
                 raise RangeError(401, "missing or wrong bearer token")
         path = self.path.split("?", 1)[0]
@@ -140,6 +151,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+_BUSY_BODY = b'{"detail": "too many connections; retry shortly"}'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+         + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
+
+
 class RangeServer(ThreadingHTTPServer):
     """Serve in a background thread; :meth:`close` is idempotent."""
 
@@ -153,16 +170,18 @@ class RangeServer(ThreadingHTTPServer):
         port: int,
         prefix: str,
         resolver: Resolver,
-        token: str | None,
+        tokens: Sequence[str],
         on_served: Callable[[int], None] = lambda n: None,
         json_hook: JsonHook | None = None,
         range_hook: RangeHook | None = None,
         timeout_s: float = 60.0,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         super().__init__((host, port), _Handler)
         self.prefix = prefix
         self.resolver = resolver
-        self.token = token
+        self.tokens = [t.encode() for t in tokens if t]  # any one is accepted; none = open
+        self._slots = threading.BoundedSemaphore(max_connections)
         self.on_served = on_served
         self.json_hook = json_hook
         self.range_hook = range_hook
@@ -180,6 +199,26 @@ class RangeServer(ThreadingHTTPServer):
         conn, addr = super().get_request()
         conn.settimeout(self.timeout_s)  # an idle or stalled client frees its thread
         return conn, addr
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, up to the cap; beyond it a 503 and the socket closed."""
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.settimeout(1.0)
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def start(self) -> None:
         if self._thread is None:

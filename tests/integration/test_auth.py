@@ -25,10 +25,11 @@ import redis.exceptions
 
 from rlboost.launcher import Child
 from shared.stack import Stack, _binary, free_port, wait_port
+from shared.weights import upload_version
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN, WEIGHTS_TOKEN = "api-s3cret", "weights-s3cret"
-USER, PASSWORD = "rl", "nats-s3cret"
+READ_TOKEN = "weights-read-s3cret"
 BAD_HEADERS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},
                {"Authorization": "Bearer"}]
 
@@ -53,6 +54,7 @@ def services(brokers: Stack, tmp_path: Path) -> Iterator[tuple[str, str]]:
     manager, weights = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     env = {**brokers.env(), "RLBOOST_MANAGER_URL": manager, "RLBOOST_WEIGHTS_URL": weights,
            "RLBOOST_API_TOKEN": TOKEN, "RLBOOST_WEIGHTS_TOKEN": WEIGHTS_TOKEN,
+           "RLBOOST_WEIGHTS_READ_TOKEN": READ_TOKEN,
            "RLBOOST_DATA_DIR": str(tmp_path / "data"), "RLBOOST_PARENT_PID": str(os.getpid())}
     children = [start_http("manager", "manager_svc", env, manager, tmp_path),
                 start_http("weights", "weight_svc", env, weights, tmp_path)]
@@ -85,51 +87,97 @@ def test_rest_surfaces_refuse_missing_or_wrong_tokens(services: tuple[str, str])
     ok = httpx.get(f"{weights}/v1/weights/run-x",
                    headers={"Authorization": f"Bearer {WEIGHTS_TOKEN}"})
     assert ok.status_code != 401
+    # The weights tokens open no REST API either, and the API token opens no weights.
+    for given in (READ_TOKEN, WEIGHTS_TOKEN):
+        resp = httpx.get(f"{manager}/v1/runs", headers={"Authorization": f"Bearer {given}"})
+        assert resp.status_code == 401
+    resp = httpx.get(f"{weights}/v1/weights/run-x", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert resp.status_code == 401
+
+
+def test_the_read_token_reads_and_may_not_write(services: tuple[str, str],
+                                                tmp_path: Path) -> None:
+    """What a spot machine holds: list, manifest, download (REST and data plane), register as
+    a peer; and 403 on upload, commit and pin, which only the trainer's write token may do."""
+    _, weights = services
+    src = tmp_path / "v0"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"w" * 1000)
+    asyncio.run(upload_version(weights, WEIGHTS_TOKEN, "run-r", 0, src))
+    read = {"Authorization": f"Bearer {READ_TOKEN}"}
+    listing = httpx.get(f"{weights}/v1/weights/run-r", headers=read)
+    assert listing.status_code == 200 and listing.json()["versions"] == [0]
+    manifest = httpx.get(f"{weights}/v1/weights/run-r/0/manifest", headers=read)
+    assert manifest.status_code == 200
+    port = manifest.headers["X-Rlboost-Data-Port"]
+    path = "/v1/weights/run-r/0/files/model.safetensors"
+    body = httpx.get(weights + path, headers={**read, "Range": "bytes=0-9"})
+    assert body.status_code == 206 and body.content == b"w" * 10
+    fast = httpx.get(f"http://127.0.0.1:{port}{path}", headers=read)
+    assert fast.status_code == 200 and fast.content == b"w" * 1000
+    peer = httpx.post(f"{weights}/v1/weights/run-r/0/peers", headers=read,
+                      json={"url": "http://10.0.0.9:8003"})
+    assert peer.status_code == 200
+    for method, route in (("PUT", "/v1/weights/run-r/1/files/model.safetensors"),
+                          ("POST", "/v1/weights/run-r/1/commit"),
+                          ("POST", "/v1/weights/run-r/0/pin"),
+                          ("DELETE", "/v1/weights/run-r/0/pin")):
+        resp = httpx.request(method, weights + route, headers=read, content=b"x" * 10)
+        assert resp.status_code == 403, (method, route, resp.text)
+        assert "write" in resp.json()["detail"]
+    assert httpx.get(f"{weights}/v1/weights/run-r", headers=read).json()["pinned"] == []
+    write = {"Authorization": f"Bearer {WEIGHTS_TOKEN}"}
+    assert httpx.post(f"{weights}/v1/weights/run-r/0/pin", headers=write).status_code == 200
 
 
 @pytest.fixture
-def nats_port(tmp_path: Path) -> Iterator[int]:
-    """nats-server from the shipped compose/nats.conf, credentials from the environment."""
-    port = free_port()
-    argv = [_binary("nats-server"), "-c", str(ROOT / "compose" / "nats.conf"), "-sd",
-            str(tmp_path / "js"), "-a", "127.0.0.1", "-p", str(port), "-m", str(free_port())]
-    log = (tmp_path / "nats.log").open("wb")
-    proc = subprocess.Popen(argv, env={**os.environ, "NATS_USER": USER, "NATS_PASSWORD": PASSWORD},
-                            stdout=log, stderr=subprocess.STDOUT)
+def locked(tmp_path: Path) -> Iterator[Stack]:
+    """nats-server from the shipped compose/nats.conf (its roles' credentials in the server's
+    environment, as compose passes them), Redis with a password."""
+    stack = Stack.create(tmp_path / "locked", locked=True)
+    stack.start()
     try:
-        wait_port(port)
-        yield port
+        yield stack
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        log.close()
+        stack.stop()
 
 
-async def _nats_roundtrip(url: str) -> bytes:
+async def _nats_roundtrip(url: str, subject: str, jetstream: bool) -> bytes:
     nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2,
                             max_reconnect_attempts=0)
     try:
-        sub = await nc.subscribe("auth.check")
-        await nc.publish("auth.check", b"hello")
+        sub = await nc.subscribe(subject)
+        await nc.publish(subject, b"hello")
         msg = await sub.next_msg(timeout=2)
-        info = await nc.jetstream().account_info()  # JetStream is on for this user
-        assert info.limits is not None
+        if jetstream:
+            info = await nc.jetstream().account_info()  # JetStream is on for the manager
+            assert info.limits is not None
         return bytes(msg.data)
     finally:
         await nc.close()
 
 
-@pytest.mark.parametrize("userinfo", ["", f"{USER}:wrong@", f"nobody:{PASSWORD}@", f"{USER}@"])
-def test_nats_refuses_missing_or_wrong_credentials(nats_port: int, userinfo: str) -> None:
-    with pytest.raises(Exception) as caught:
-        asyncio.run(_nats_roundtrip(f"nats://{userinfo}127.0.0.1:{nats_port}"))
-    assert not isinstance(caught.value, AssertionError)
+def test_nats_refuses_missing_or_wrong_credentials(locked: Stack) -> None:
+    roles = locked.roles
+    assert roles is not None
+    port = locked.nats.port
+    # No login; a wrong password; a password of another role; a user the config lacks; and the
+    # rollout login with no manager up to answer its callout.
+    for userinfo in ("", "manager:wrong@", f"manager:{roles.trainer}@", f"nobody:{roles.manager}@",
+                     "manager@", f"rollout:{roles.rollout}@"):
+        with pytest.raises(Exception) as caught:
+            asyncio.run(_nats_roundtrip(f"nats://{userinfo}127.0.0.1:{port}", "rlb.x", False))
+        assert not isinstance(caught.value, AssertionError), userinfo
 
 
-def test_nats_accepts_the_credentials_in_the_url(nats_port: int) -> None:
+def test_nats_accepts_each_role_on_its_own_subjects(locked: Stack) -> None:
     # The URL form the compose files use: nats-py takes user:password from it.
-    url = f"nats://{USER}:{PASSWORD}@127.0.0.1:{nats_port}"
-    assert asyncio.run(_nats_roundtrip(url)) == b"hello"
+    assert asyncio.run(_nats_roundtrip(locked.nats.url_for("manager"), "rlb.x", True)) == b"hello"
+    # The trainer may publish its requests and read events, not its own requests' subject:
+    # a round trip on an event subject needs publishing there, which it may not.
+    with pytest.raises(Exception) as caught:
+        asyncio.run(_nats_roundtrip(locked.nats.url_for("trainer"), "rlb.evt.x", False))
+    assert not isinstance(caught.value, AssertionError)
 
 
 def test_redis_refuses_missing_or_wrong_password(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 from rlboost.launcher import Child
 from shared import names
 from shared.bus import request
-from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release, RunSpec
+from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release, RunSpec, encode
 from shared.stack import Stack, free_port
 
 TOKEN = "s3cret-token"
@@ -116,7 +116,8 @@ def test_bearer_token_is_required(manager: httpx.Client) -> None:
 def test_malformed_bus_messages_are_counted_and_dropped(
     manager: httpx.Client, brokers: Stack
 ) -> None:
-    subjects = [names.HEARTBEAT, names.RELEASE, names.TRAINER_POLL, names.TRAINER_START,
+    subjects = [names.heartbeat_subject("i-1"), names.release_subject("i-1"), names.TRAINER_POLL,
+                names.TRAINER_START,
                 names.TRAINER_SAMPLES, names.TRAINER_FINISH, names.TRAINER_FAIL]
     garbage = [b"", b"not json", b'{"type": "Heartbeat"}', b"[1,2,3]", b"\xff\xfe"]
 
@@ -129,8 +130,8 @@ def test_malformed_bus_messages_are_counted_and_dropped(
                 replies.append(msg.data)
         js = nc.jetstream()
         for payload in garbage:
-            await js.publish(names.chunk_subject("run-x"), payload)
-        await js.publish(names.chunk_subject("run-x"),
+            await js.publish(names.chunk_subject("run-x", "i"), payload)
+        await js.publish(names.chunk_subject("run-x", "i"),
                          b'{"type":"TokenChunk","request_id":"no-colons","instance_id":"i",'
                          b'"epoch":1,"weight_version":0,"offset":0,"token_ids":[1]}')
         await nc.close()
@@ -138,8 +139,10 @@ def test_malformed_bus_messages_are_counted_and_dropped(
 
     replies = asyncio.run(send())
     assert all(b'"ok":false' in r for r in replies)
-    for subject in subjects:
-        assert metric(manager, "rlboost_malformed_messages_total", subject=subject) == len(garbage)
+    for subject, counted in zip(subjects, [names.HEARTBEAT_ANY, names.RELEASE_ANY,
+                                           *subjects[2:]], strict=True):
+        assert metric(manager, "rlboost_malformed_messages_total", subject=counted) == \
+            len(garbage), subject
     for _ in range(50):
         chunk_drops = metric(manager, "rlboost_malformed_messages_total",
                              subject=names.CHUNK_WILDCARD)
@@ -163,13 +166,14 @@ def test_a_released_session_cannot_come_back_but_a_restart_can(
 
     async def exchange() -> tuple[HeartbeatReply, HeartbeatReply]:
         nc = await nats.connect(brokers.nats.url)
-        await request(nc, names.HEARTBEAT, beat("old"), HeartbeatReply)
-        await request(nc, names.RELEASE, Release(instance_id="spot-7", held=[], session="old"),
-                      Ack)
-        late = await request(nc, names.HEARTBEAT, beat("old"), HeartbeatReply)
+        await request(nc, names.heartbeat_subject("spot-7"), beat("old"), HeartbeatReply)
+        await request(nc, names.release_subject("spot-7"),
+                      Release(instance_id="spot-7", held=[], session="old"), Ack)
+        late = await request(nc, names.heartbeat_subject("spot-7"), beat("old"), HeartbeatReply)
         ids_after_late = {i["id"] for i in manager.get("/v1/instances").json()}
         assert "spot-7" not in ids_after_late
-        fresh = await request(nc, names.HEARTBEAT, beat("new"), HeartbeatReply)
+        fresh = await request(nc, names.heartbeat_subject("spot-7"), beat("new"),
+                              HeartbeatReply)
         await nc.close()
         return late, fresh
 
@@ -177,3 +181,51 @@ def test_a_released_session_cannot_come_back_but_a_restart_can(
     assert late.revoke == ["run-x:0:0:0"]  # whatever the leaver still thinks it holds
     assert "spot-7" in {i["id"] for i in manager.get("/v1/instances").json()}
     assert fresh.revoke == ["run-x:0:0:0"]  # no active run: nothing of run-x is renewed
+
+
+def test_an_instance_cannot_speak_in_another_ones_name(
+    manager: httpx.Client, brokers: Stack
+) -> None:
+    """The id in a heartbeat or release must be the one in its subject, and ids follow one
+    pattern: an id that would collide in Redis (``<id>:held``) or break a subject is refused."""
+    def beat(instance_id: str) -> Heartbeat:
+        return Heartbeat(instance_id=instance_id, kind="spot", engine="emu", state="ready")
+
+    async def exchange() -> list[bytes]:
+        nc = await nats.connect(brokers.nats.url)
+        replies = [
+            (await nc.request(names.heartbeat_subject("spot-1"), encode(beat("spot-2")),
+                              timeout=5)).data,
+            (await nc.request(names.release_subject("spot-1"), encode(
+                Release(instance_id="spot-2", held=[])), timeout=5)).data,
+        ]
+        for bad in ("spot-1:held", "a b", "x" * 65):
+            replies.append((await nc.request(names.heartbeat_subject("spot-1"),
+                                              encode(beat(bad)), timeout=5)).data)
+        ok = await request(nc, names.heartbeat_subject("spot-1"), beat("spot-1"), HeartbeatReply)
+        assert ok.revoke == []
+        await nc.close()
+        return replies
+
+    replies = asyncio.run(exchange())
+    assert all(b'"ok":false' in r for r in replies), replies
+    assert {i["id"] for i in manager.get("/v1/instances").json()} == {"spot-1"}
+    assert manager.get("/v1/instances").status_code == 200
+
+
+def test_bodies_are_bounded_and_read_only_after_auth(manager: httpx.Client) -> None:
+    base = str(manager.base_url)
+    big = b"x" * (2 << 20)  # over the 1 MiB default
+    # No token: refused from the headers alone, the body unread.
+    resp = httpx.post(base + "/v1/runs", content=big, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 401 and resp.json()["detail"]
+    resp = manager.post("/v1/runs", content=big, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413 and "bytes" in resp.json()["detail"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: cut off while streaming
+        for _ in range(40):
+            yield b" " * (64 << 10)
+
+    resp = manager.post("/v1/runs", content=chunked(), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413
+    assert manager.post("/v1/runs", json={"steps": 1}).status_code == 201

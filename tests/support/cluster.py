@@ -17,7 +17,7 @@ def start_cluster(root: Path, stack: Stack, env: dict[str, str] | None = None,
     """The manager, weight service, trainer and rollout instances as real processes."""
     base = {**stack.env(), "RLBOOST_DATA_DIR": str(root / "data"), "RLBOOST_TORCH_THREADS": "1",
             **(env or {})}
-    cluster = Cluster(root, base_env=base, **kwargs)
+    cluster = Cluster(root, base_env=base, role_env=stack.role_env(), **kwargs)
     cluster.start()
     return cluster
 

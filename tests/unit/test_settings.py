@@ -22,6 +22,7 @@ from shared.config import (
     WeightsConfig,
 )
 from shared.errors import ConfigError
+from shared.identity import new_account_seed, new_user_seed
 from shared.settings import PREFIX, env_names, mask_url, reveal
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -87,12 +88,38 @@ def test_values_are_parsed_as_before() -> None:
     assert TrainerConfig.from_env({}).trainer_id.startswith("trainer-")
 
 
-def test_weights_token_falls_back_to_the_api_token() -> None:
-    both = Common.from_env({"RLBOOST_API_TOKEN": "a", "RLBOOST_WEIGHTS_TOKEN": "w"})
+def test_weights_tokens_never_fall_back_to_the_api_token() -> None:
+    both = Common.from_env({"RLBOOST_API_TOKEN": "a", "RLBOOST_WEIGHTS_TOKEN": "w",
+                            "RLBOOST_WEIGHTS_READ_TOKEN": "r"})
     assert reveal(both.api_token) == "a" and reveal(both.weights_token) == "w"
+    assert reveal(both.weights_read_token) == "r"
     api_only = WeightsConfig.from_env({"RLBOOST_API_TOKEN": "a", "RLBOOST_WEIGHTS_TOKEN": ""})
-    assert reveal(api_only.token) == "a"
-    assert isinstance(api_only.token, SecretStr) and reveal(None) is None
+    assert api_only.token is None and api_only.read_token is None
+    assert isinstance(both.weights_token, SecretStr) and reveal(None) is None
+
+
+def test_instance_ids_follow_one_pattern() -> None:
+    for bad in ("a:held", "a b", "a.b", "-a", "x" * 65, "a>", "é"):
+        with pytest.raises(ConfigError, match="RLBOOST_INSTANCE_ID"):
+            RolloutConfig.from_env({"RLBOOST_INSTANCE_ID": bad})
+    assert RolloutConfig.from_env({"RLBOOST_INSTANCE_ID": "spot_1-a"}).instance_id == "spot_1-a"
+    with pytest.raises(ConfigError, match="RLBOOST_INSTANCE_ID"):  # its emu suffix too long
+        RolloutConfig.from_env({"RLBOOST_INSTANCE_ID": "x" * 63, "RLBOOST_ENGINE": "emu",
+                                "RLBOOST_EMU_INSTANCES": "12"})
+    assert RolloutConfig.from_env({}).instance_id.startswith("spot-")
+
+
+def test_the_callout_needs_an_account_seed_and_the_rollout_password() -> None:
+    seed = new_account_seed()
+    cfg = ManagerConfig.from_env({"RLBOOST_NATS_ISSUER_SEED": seed,
+                                  "RLBOOST_NATS_ROLLOUT_PASSWORD": "r-pw"})
+    described = str(cfg.describe())
+    assert seed not in described and "r-pw" not in described and seed not in repr(cfg)
+    with pytest.raises(ConfigError, match="RLBOOST_NATS_ROLLOUT_PASSWORD"):
+        ManagerConfig.from_env({"RLBOOST_NATS_ISSUER_SEED": seed})
+    with pytest.raises(ConfigError, match="RLBOOST_NATS_ISSUER_SEED"):
+        ManagerConfig.from_env({"RLBOOST_NATS_ISSUER_SEED": new_user_seed(),
+                                "RLBOOST_NATS_ROLLOUT_PASSWORD": "r-pw"})
 
 
 @pytest.mark.parametrize("cls, env, name", [

@@ -16,6 +16,7 @@ from trainer_svc.checkpoint import RunCheckpoints
 
 class Policy(Protocol):
     eos_id: int
+    vocab_size: int  # token ids the model has; rollout chunks outside it are dropped
     checkpoints: RunCheckpoints
 
     def restore(self) -> int: ...

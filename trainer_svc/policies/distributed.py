@@ -300,6 +300,7 @@ class DistributedPolicy:
         self.chan = chan
         self.checkpoints: RunCheckpoints = local.checkpoints
         self.eos_id: int = local.eos_id
+        self.vocab_size: int = local.vocab_size
         self._groups = 0  # groups added this run: the next owner is _groups % world
 
     @classmethod

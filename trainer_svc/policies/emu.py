@@ -21,6 +21,10 @@ from shared.hardware import H100_BF16_FLOPS, H100_HBM_BYTES_S
 from trainer_svc import task
 from trainer_svc.checkpoint import RunCheckpoints
 
+# The emu engine's vocabulary (rollout_svc.engines.emu's default): ingest drops any token
+# id at or above it.
+EMU_VOCAB_SIZE = 32000
+
 
 @dataclass(frozen=True, slots=True)
 class ComputeModel:
@@ -63,6 +67,7 @@ class EmuPolicy:
         self.time_scale = time_scale
         self.checkpoints = RunCheckpoints(run_dir, run_dir)
         self.eos_id = task.EOS_ID
+        self.vocab_size = EMU_VOCAB_SIZE
         self._state = run_dir / "emu-state.json"
 
     def restore(self) -> int:

@@ -35,6 +35,7 @@ class TorchPolicy:
         self.learning_rate = learning_rate
         self.checkpoints = RunCheckpoints(run_dir, model_dir)
         self.eos_id = task.EOS_ID
+        self.vocab_size = int(getattr(self.model.config, "vocab_size", 0))
 
     def restore(self) -> int:
         version = self.checkpoints.restore(self.model, self.optimizer)
