@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from rlboost.launcher import Child
+from shared.identity import new_account_seed, public_key
 from shared.stack import _binary, free_port, wait_port
 from tests.support.cluster import wait_run
 from tests.support.invariants import check_run
@@ -37,10 +38,23 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
-SECRETS = ("RLBOOST_API_TOKEN", "RLBOOST_WEIGHTS_TOKEN", "NATS_PASSWORD", "REDIS_PASSWORD")
+SECRETS = ("RLBOOST_API_TOKEN", "RLBOOST_WEIGHTS_TOKEN", "RLBOOST_WEIGHTS_READ_TOKEN",
+           "NATS_MANAGER_PASSWORD", "NATS_TRAINER_PASSWORD", "NATS_ROLLOUT_PASSWORD",
+           "RLBOOST_NATS_ISSUER_SEED", "NATS_ISSUER", "REDIS_PASSWORD")
+_SEED = new_account_seed()
 ENV = {"RLBOOST_API_TOKEN": "api-s3cret", "RLBOOST_WEIGHTS_TOKEN": "weights-s3cret",
-       "NATS_USER": "rl", "NATS_PASSWORD": "nats-s3cret", "REDIS_PASSWORD": "redis-s3cret",
-       "RLBOOST_ENGINE": "emu", "RESERVED_HOST": "reserved.example"}
+       "RLBOOST_WEIGHTS_READ_TOKEN": "read-s3cret", "NATS_MANAGER_PASSWORD": "m-s3cret",
+       "NATS_TRAINER_PASSWORD": "t-s3cret", "NATS_ROLLOUT_PASSWORD": "r-s3cret",
+       "RLBOOST_NATS_ISSUER_SEED": _SEED, "NATS_ISSUER": public_key(_SEED),
+       "REDIS_PASSWORD": "redis-s3cret", "RLBOOST_ENGINE": "emu",
+       "RESERVED_HOST": "reserved.example"}
+# Who holds which credential (least privilege): the NATS user of each service, and the tokens.
+NATS_USERS = {"manager": "manager", "weights": "trainer", "trainer": "trainer",
+              "rollout": "rollout", "rollout-reserved": "rollout"}
+TOKENS = {"manager": {"RLBOOST_API_TOKEN"},
+          "weights": {"RLBOOST_WEIGHTS_TOKEN", "RLBOOST_WEIGHTS_READ_TOKEN"},
+          "trainer": {"RLBOOST_WEIGHTS_TOKEN"}, "rollout": {"RLBOOST_WEIGHTS_READ_TOKEN"},
+          "rollout-reserved": {"RLBOOST_WEIGHTS_READ_TOKEN"}}
 BROKER_PORTS = {"nats": 4222, "redis": 6379, "manager": 8000, "weights": 8001}
 SPEC = {"model": "emu", "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2,
         "max_new_tokens": 8, "seed": 5}
@@ -119,8 +133,11 @@ def test_file_is_locked_down_and_uses_only_known_names(name: str) -> None:
         for key in ("RLBOOST_NATS_URL", "RLBOOST_REDIS_URL"):
             if key in env:  # every broker client logs in
                 assert re.match(r"\w+://[^:@/]*:[^@/]+@", env[key]), f"{svc_name}: {key} anonymous"
-        if svc_name in ("manager", "weights"):
-            assert env.get("RLBOOST_API_TOKEN") == ENV["RLBOOST_API_TOKEN"]
+        if svc_name in NATS_USERS:
+            assert env["RLBOOST_NATS_URL"].startswith(f"nats://{NATS_USERS[svc_name]}:")
+            held = {k for k in env if k.endswith("_TOKEN")}
+            assert held == TOKENS[svc_name], (name, svc_name, held)
+            assert ("RLBOOST_NATS_ISSUER_SEED" in env) == (svc_name == "manager")
     published = {n: s["ports"] for n, s in services.items() if s.get("ports")}
     assert published == PUBLISHED[name]
     # No secret has a default: leaving any one out makes the file fail, as compose would.
@@ -140,6 +157,7 @@ def test_spot_dials_only_what_reserved_publishes() -> None:
                for m in re.findall(re.escape(ENV["RESERVED_HOST"]) + r":(\d+)", v)}
     assert {4222, 8001} <= dialled <= published
     assert "RLBOOST_REDIS_URL" not in env and "RLBOOST_API_TOKEN" not in env
+    assert "RLBOOST_WEIGHTS_TOKEN" not in env and "RLBOOST_WEIGHTS_READ_TOKEN" in env
 
 
 def test_spot_peers_override_publishes_the_chunk_server_it_announces() -> None:
@@ -310,6 +328,9 @@ def test_skypilot_task_is_a_recovering_spot_worker_pointing_at_reserved() -> Non
     assert names <= known_names() and task["envs"]["RLBOOST_ENGINE"] == "sglang"
     assert task["envs"]["RLBOOST_PREEMPTION_NOTICE"] in ("aws", "gcp")
     assert all(v is None for v in task["secrets"].values())  # no credential ships in the file
+    # A spot worker's credentials: the rollout NATS login and the weights read token, no more.
+    assert set(task["secrets"]) == {"NATS_ROLLOUT_PASSWORD", "RLBOOST_WEIGHTS_READ_TOKEN"}
+    assert "nats://rollout:${NATS_ROLLOUT_PASSWORD}@" in task["run"]
     for var in ("RLBOOST_NATS_URL", "RLBOOST_WEIGHTS_URL"):
         assert f"export {var}=" in task["run"] and "${RESERVED_HOST}" in task["run"]
     assert "exec python3 -m rollout_svc" in task["run"]
