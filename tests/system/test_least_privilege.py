@@ -1,0 +1,224 @@
+"""A spot machine's credentials cannot poison a run: the shipped NATS config, attacked.
+
+The whole stack runs on locked brokers (compose/nats.conf's roles, rollout logins through the
+manager's auth callout). An intruder holding the rollout password logs in under an instance id
+of its own and tries every forbidden action: reading another instance's assignments or ``>``
+or another's replies, speaking as the manager, the trainer or another instance, the JetStream
+API, logging in under a live instance's id. Each fails, while its own subjects work (so the
+refusals are not a broker refusing everything). During the run, chunks are forged with a
+valid request id and epoch (the intruder's, and one on the holder's own subject from a bus
+credential that could publish there): each is rejected and counted. The lease holder's own key
+signs chunks with out-of-vocabulary tokens and a negative offset: dropped, counted, never
+trained on. The run's samples equal the emu oracle's, token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+import redis
+
+from rlboost.launcher import Cluster
+from shared import names
+from shared.bus import split_credentials
+from shared.identity import new_user_seed
+from shared.names import Keys
+from shared.protocol import RunFailed, TokenChunk, chunk_mac, encode
+from shared.stack import Stack
+from tests.support.cluster import start_cluster, wait_run
+from tests.support.invariants import check_run
+from tests.system.test_faults import FAST, REWARD, oracle
+
+pytestmark = pytest.mark.slow
+
+SPEC = {"model": "emu", "steps": 2, "prompts_per_step": 4, "samples_per_prompt": 2,
+        "max_new_tokens": 96, "seed": 11}
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack.create(tmp_path / "brokers", locked=True)
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def cluster(locked: Stack, tmp_path: Path) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path, locked, spot=1, reserved=1, engine="emu", env=FAST)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def login(stack: Stack, instance_id: str, errors: list[str]) -> nats.NATS:
+    """Log in as rollout instance ``instance_id``, as rollout_svc does, recording refusals."""
+    assert stack.roles is not None
+    url, _ = split_credentials(stack.nats.url_for("rollout"))
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    return await nats.connect(url, name=instance_id, token=stack.roles.rollout,
+                              nkeys_seed_str=new_user_seed(), error_cb=on_error,
+                              inbox_prefix=names.inbox_prefix(instance_id),
+                              allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
+
+
+async def try_forbidden(stack: Stack) -> dict[str, bool]:
+    """Each forbidden action -> whether the broker refused it."""
+    errors: list[str] = []
+    nc = await login(stack, "intruder-1", errors)
+    refused: dict[str, bool] = {}
+
+    async def attempt(what: str, action: Any, subject: str) -> None:
+        before = len(errors)
+        await action
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        refused[what] = any("permissions violation" in e and subject.lower() in e
+                            for e in errors[before:])
+
+    await attempt("subscribe another's assignments",
+                  nc.subscribe(names.assign_subject("spot-0")), names.assign_subject("spot-0"))
+    await attempt("subscribe >", nc.subscribe(">"), '">"')
+    await attempt("subscribe every inbox", nc.subscribe("_INBOX.>"), "_INBOX.>")
+    for subject in (names.TRAINER_FAIL, names.TRAINER_FINISH, names.barrier_subject("r"),
+                    names.assign_subject("spot-0"), names.heartbeat_subject("spot-0"),
+                    names.release_subject("spot-0"), names.chunk_subject("run-x", "spot-0"),
+                    names.WEIGHTS_ANNOUNCE):
+        await attempt(f"publish {subject}", nc.publish(subject, encode(
+            RunFailed(run_id="run-x", error="forged"))), subject)
+    for api in ("$JS.API.STREAM.DELETE.RLB_CHUNKS", "$JS.API.STREAM.INFO.RLB_CHUNKS",
+                "$JS.API.CONSUMER.DELETE.RLB_CHUNKS.manager", "$JS.API.INFO"):
+        await attempt(f"JetStream {api}", nc.publish(api, b"", reply=nc.new_inbox()), api)
+    # Its own subjects work: the refusals above are permissions, not a dead connection.
+    before = len(errors)
+    own = await nc.subscribe(names.assign_subject("intruder-1"))
+    await nc.publish(names.heartbeat_subject("intruder-1"), b"{}")
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    refused["own subjects refused"] = any("permissions violation" in e for e in errors[before:])
+    await own.unsubscribe()
+    await nc.close()
+    # A live instance's id cannot be claimed by another key; a wrong password logs in nowhere.
+    try:
+        taken = await login(stack, "spot-0", [])
+        await taken.close()
+        refused["log in as spot-0"] = False
+    except Exception:
+        refused["log in as spot-0"] = True
+    assert stack.roles is not None
+    url, _ = split_credentials(stack.nats.url_for("rollout"))
+    try:
+        wrong = await nats.connect(url, name="intruder-2", token="wrong",
+                                   nkeys_seed_str=new_user_seed(), allow_reconnect=False,
+                                   max_reconnect_attempts=0, connect_timeout=3)
+        await wrong.close()
+        refused["wrong password"] = False
+    except Exception:
+        refused["wrong password"] = True
+    return refused
+
+
+def live_lease(store: redis.Redis, run_id: str) -> tuple[str, str, int, int, int]:
+    """A response of the run under a live lease: (request id, holder, epoch, version, n)."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        for key in store.scan_iter(match=Keys.lease(f"{run_id}:*"), count=1000):
+            owner = store.get(key)
+            rid = str(key).removeprefix(Keys.lease(""))
+            info = store.hmget(Keys.request(rid), ["version", "n", "done"])
+            if owner and info[2] == "0":
+                holder, epoch = str(owner).rsplit(":", 1)
+                return rid, holder, int(epoch), int(info[0] or 0), int(info[1] or 0)
+        time.sleep(0.02)
+    raise AssertionError("no live lease seen")
+
+
+async def forge(stack: Stack, store: redis.Redis, run_id: str) -> dict[str, int]:
+    """Chunks with valid request ids and epochs: forged ones, and the holder's own invalid
+    ones. Returns how many of each kind were sent."""
+    errors: list[str] = []
+    intruder = await login(stack, "intruder-3", errors)
+    bus = await nats.connect(stack.nats.url_for("manager"))  # a credential that reaches any
+    rid, holder, epoch, version, n = live_lease(store, run_id)
+    sent = {"forged": 0, "invalid": 0}
+
+    def chunk(instance_id: str, tokens: list[int], offset: int) -> TokenChunk:
+        return TokenChunk(request_id=rid, instance_id=instance_id, epoch=epoch,
+                          weight_version=version, offset=offset, token_ids=tokens)
+
+    # The intruder, on its own subject, in its own name and then in the holder's: no key.
+    for name in ("intruder-3", holder):
+        forged = chunk(name, [7, 7, 7, 7], n)
+        forged.mac = hashlib.sha256(f"{rid}|{epoch}".encode()).hexdigest()  # a guess
+        await intruder.jetstream().publish(names.chunk_subject(run_id, "intruder-3"),
+                                           encode(forged), timeout=5)
+        sent["forged"] += 1
+    # On the holder's own subject, right epoch and offset, no MAC: knowing them is not enough.
+    await bus.jetstream().publish(names.chunk_subject(run_id, holder),
+                                  encode(chunk(holder, [7, 7, 7, 7], n)), timeout=5)
+    sent["forged"] += 1
+    # The holder's key (derived as the manager derives it) on out-of-vocabulary tokens and a
+    # negative offset: authentic, but never committable.
+    secret = bytes.fromhex(str(store.get(Keys.chunk_key())))
+    key = hmac.new(secret, f"{rid}|{epoch}".encode(), hashlib.sha256).hexdigest()
+    for tokens, offset in (([10**9, 5], n), ([-7], n), ([5], -3)):
+        bad = chunk(holder, tokens, offset)
+        bad.mac = chunk_mac(key, bad)
+        await bus.jetstream().publish(names.chunk_subject(run_id, holder), encode(bad), timeout=5)
+        sent["invalid"] += 1
+    await intruder.close()
+    await bus.close()
+    return sent
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    found = re.search("^" + re.escape(name + labels) + r" (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_rollout_credential_cannot_poison_a_run(locked: Stack, cluster: Cluster) -> None:
+    refused = asyncio.run(try_forbidden(locked))
+    assert refused.pop("own subjects refused") is False
+    assert all(refused.values()), {k: v for k, v in refused.items() if not v}
+    assert len(refused) >= 17
+    api = {"Authorization": "Bearer x"} if cluster.env.get("RLBOOST_API_TOKEN") else {}
+    store = redis.Redis.from_url(locked.redis.url, decode_responses=True)
+    with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], headers=api,
+                      timeout=10) as client:
+        run_id = client.post("/v1/runs", json=SPEC).json()["id"]
+        sent = asyncio.run(forge(locked, store, run_id))
+        final = wait_run(client, run_id, timeout_s=240, cluster=cluster)
+        assert final["state"] == "succeeded", final
+        samples = check_run(client, run_id, SPEC, REWARD)
+        for step, got in samples.items():  # token for token what a clean run generates
+            for sample in got:
+                assert sample["response_token_ids"] == oracle(SPEC, sample, step), sample
+                assert "intruder-3" not in sample["instances"]
+                assert all(0 <= t < 32000 for t in sample["response_token_ids"])
+        steps = client.get(f"/v1/runs/{run_id}/steps").json()
+        assert sum(s["forged_chunks_rejected"] for s in steps) == sent["forged"]
+        assert sum(s["invalid_chunks_dropped"] for s in steps) == sent["invalid"]
+        text = client.get("/metrics").text
+        assert metric(text, "rlboost_forged_chunks_rejected_total") == sent["forged"]
+        assert metric(text, "rlboost_chunks_total", '{result="invalid"}') == sent["invalid"]
+        assert metric(text, "rlboost_nats_logins_total", '{result="refused"}') >= 2
+    store.close()
+    # Every drop was logged (and the run finishing shows the stream survived the JetStream calls).
+    manager_log = (cluster.root / "logs" / "manager.log").read_text()
+    assert "forged chunk of" in manager_log and "invalid chunk of" in manager_log
