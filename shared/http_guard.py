@@ -113,7 +113,7 @@ class Guard:
 
 async def _reply(send: Send, status: int, detail: str,
                  headers: Mapping[str, str] | None = None) -> None:
-    body = json.dumps({"detail": detail}).encode()
+    body = json.dumps({"detail": detail}, ensure_ascii=False, separators=(",", ":")).encode()
     raw = [(b"content-type", b"application/json"),
            (b"content-length", str(len(body)).encode()),
            *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())]
@@ -139,6 +139,9 @@ def document(doc: dict[str, Any], rule: Rule, errors: Callable[[str, str], set[i
                 codes |= {401, 403} if access.scope == "write" else {401}
             responses = op.setdefault("responses", {})
             responses.pop("default", None)
+            if path == "/metrics":
+                responses["200"] = {"description": "Prometheus text format", "content": {
+                    "text/plain": {"schema": {"type": "string"}}}}
             for code in sorted(codes):
                 responses[str(code)] = {
                     "description": _REASONS.get(code, "Error"),

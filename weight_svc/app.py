@@ -297,9 +297,15 @@ def create_app(cfg: WeightsConfig, limits: StoreLimits | None = None) -> FastAPI
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            document(describe(), rule, _errors, {
+            doc = document(describe(), rule, _errors, {
                 "read": "RLBOOST_WEIGHTS_READ_TOKEN (or the write token)",
                 "write": "RLBOOST_WEIGHTS_TOKEN"})
+            file = doc["paths"]["/v1/weights/{run_id}/{version}/files/{name}"]["get"]
+            octets = {"application/octet-stream": {"schema": {"type": "string",
+                                                              "format": "binary"}}}
+            file["responses"]["200"] = {"description": "The file", "content": octets}
+            file["responses"]["206"] = {"description": "One byte range of it",
+                                        "content": octets}
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]

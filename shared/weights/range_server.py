@@ -141,7 +141,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
 
     def _reply_json(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
+        # As Starlette writes JSON: the REST port and this one answer byte for byte alike.
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
