@@ -22,7 +22,9 @@ def main() -> None:
     bind = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
     app = create_app(ManagerService(cfg), bind_host=bind)
     uvicorn.run(app, host=bind, port=url_port(cfg.common.manager_url, 8000),
-                log_level=logging.getLevelName(logging.WARNING).lower(), access_log=False)
+                log_level=logging.getLevelName(logging.WARNING).lower(), access_log=False,
+                # An open dashboard's event stream must not hold the manager's stop.
+                timeout_graceful_shutdown=3)
 
 
 if __name__ == "__main__":

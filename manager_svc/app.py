@@ -16,16 +16,20 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.resources import files
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
+from manager_svc.events import PAGE_MAX
+from manager_svc.live import run_stream
 from manager_svc.service import ManagerService
 from shared.errors import ProtocolError
 from shared.http_guard import INFO_PATHS, Access, Guard, document, info_open
@@ -107,10 +111,16 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True,
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         await service.redis.ping()
-        return {"ok": True, "nats": service.nc.is_connected}
+        # "auth": whether the API wants a token; the dashboard asks for one before calling it.
+        return {"ok": True, "nats": service.nc.is_connected, "auth": token is not None}
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        alive: dict[str, int] = {"reserved": 0, "spot": 0}
+        for inst in await service.registry.instances():
+            alive[inst["kind"]] = alive.get(inst["kind"], 0) + 1
+        for kind, count in alive.items():
+            service.metrics.instances.labels(kind).set(count)
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/runs", status_code=201,
@@ -128,6 +138,7 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True,
     async def get_run(run_id: str) -> dict[str, Any]:
         run = await run_or_404(run_id)
         run["progress"] = await service.runs.step_progress(run_id, run["step"])
+        run["warnings"] = await service.runs.warnings(run_id)
         return run
 
     @app.post("/v1/runs/{run_id}/cancel")
@@ -142,6 +153,29 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True,
         await run_or_404(run_id)
         return await service.runs.step_records(run_id)
 
+    @app.get("/v1/runs/{run_id}/events")
+    async def run_events(run_id: str, after: Annotated[str | None, Query(
+            pattern=r"^\d+-\d+$", description="the id of the last event already seen")] = None,
+            limit: Annotated[int, Query(ge=1, le=PAGE_MAX)] = PAGE_MAX,
+            ) -> list[dict[str, Any]]:
+        """The run's instance events (join, version, leave, death), oldest first, a page at a
+        time: pass the last id seen as ``after`` for the next."""
+        await run_or_404(run_id)
+        return await service.events.read(run_id, after, limit)
+
+    @app.get("/v1/runs/{run_id}/stream", response_class=StreamingResponse)
+    async def run_live(request: Request, run_id: str,
+                       steps_from: Annotated[int, Query(ge=0)] = 0,
+                       events_after: Annotated[str | None, Query(pattern=r"^\d+-\d+$")] = None,
+                       ) -> StreamingResponse:
+        """Server-sent events: the run, new step records and instance events as they happen
+        (manager_svc.live), resuming after ``steps_from`` records and ``events_after``."""
+        await run_or_404(run_id)
+        feed = run_stream(service.runs, service.events, run_id, steps_from, events_after,
+                          request.is_disconnected, lambda: service.soft.stopping)
+        return StreamingResponse(feed, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     @app.get("/v1/runs/{run_id}/steps/{step}/samples")
     async def step_samples(run_id: str, step: int) -> list[dict[str, Any]]:
         await run_or_404(run_id)
@@ -153,6 +187,15 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True,
     @app.get("/v1/instances")
     async def instances() -> list[dict[str, Any]]:
         return await service.registry.instances()
+
+    # The dashboard: static files only (they hold no data); every figure on it comes from the
+    # API above with the bearer token the page asks for.
+    app.mount("/ui", StaticFiles(directory=str(files("manager_svc").joinpath("ui")), html=True),
+              name="ui")
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        return RedirectResponse("/ui/")
 
     describe = app.openapi
 

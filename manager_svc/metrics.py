@@ -36,6 +36,9 @@ class ManagerMetrics:
             "rlboost_lease_revocations_total", "Leases taken back, by reason", ["reason"],
             registry=self.registry,
         )
+        # Series at zero from the start, so a dashboard's rate() has them before the first loss.
+        for reason in ("preempt", "shutdown", "dead", "expired", "lost"):
+            self.revocations.labels(reason)
         self.instances = Gauge(
             "rlboost_instances_alive", "Rollout instances with a live heartbeat", ["kind"],
             registry=self.registry,

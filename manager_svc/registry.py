@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from manager_svc.accounting import Ledger
+from manager_svc.events import InstanceEvents
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.scripts import register
@@ -41,13 +42,15 @@ DEPARTED_TTL_MS = 60_000
 
 class Registry:
     def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, ledger: Ledger,
-                 runs: RunStore, metrics: ManagerMetrics, soft: SoftState) -> None:
+                 runs: RunStore, metrics: ManagerMetrics, soft: SoftState,
+                 events: InstanceEvents) -> None:
         self.cfg = cfg
         self.redis = redis
         self.ledger = ledger
         self.runs = runs
         self.metrics = metrics
         self.soft = soft
+        self.events = events
         self._register = register(redis, "register.lua")
 
     async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
@@ -68,6 +71,9 @@ class Registry:
             return HeartbeatReply(target=None, revoke=[h.request_id for h in hb.held])
         server_held = set(held_rows)
         target = await self.runs.target()
+        if target:  # for the run's instance timeline
+            await self.events.observe(target[0], hb.instance_id, hb.session, hb.kind,
+                                      hb.weight_version if hb.run_id == target[0] else None)
         reported = {held.request_id for held in hb.held}
         prefix = f"{target[0]}:" if target else None
         revoke = [h.request_id for h in hb.held
@@ -97,6 +103,10 @@ class Registry:
         if rel.held and rel.reason == "preempt":
             await self._count_preemption(revoked)
         if rel.leaving:
+            run_id = await self.runs.active()
+            if run_id:
+                kind = await self.redis.hget(Keys.instance(rel.instance_id), "kind")
+                await self.events.left(run_id, rel.instance_id, kind, rel.reason)
             if rel.session:
                 await self.redis.set(Keys.departed(rel.instance_id), rel.session,
                                      px=DEPARTED_TTL_MS)
@@ -115,6 +125,9 @@ class Registry:
             revoked = await self._forget(instance_id)
             log.warning("instance %s is gone; %d responses go back to the queue",
                         instance_id, revoked)
+            run_id = await self.runs.active()
+            if run_id:
+                await self.events.died(run_id, instance_id)
             if revoked:
                 await self._count_preemption(revoked)
 

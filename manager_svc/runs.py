@@ -29,6 +29,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
                  "stale_chunks_rejected", "tokens_regenerated", "forged_chunks_rejected",
                  "invalid_chunks_dropped")
+WARNINGS_MAX = 50  # warnings kept per run
 
 
 class RunStore:
@@ -116,13 +117,16 @@ class RunStore:
             pipe.delete(Keys.active)
         await pipe.execute()
 
-    async def steps(self, run_id: str) -> list[dict[str, Any]]:
-        return [json.loads(x) for x in await self.r.lrange(Keys.step_records(run_id), 0, -1)]
+    async def steps(self, run_id: str, start: int = 0, end: int = -1) -> list[dict[str, Any]]:
+        return [json.loads(x)
+                for x in await self.r.lrange(Keys.step_records(run_id), start, end)]
 
-    async def step_records(self, run_id: str) -> list[dict[str, Any]]:
-        """Finished-step records with their fault counters read live: a zombie that wakes
-        after its step finished still has its rejected chunks counted against that step."""
-        records = await self.steps(run_id)
+    async def step_records(self, run_id: str, start: int = 0,
+                           end: int = -1) -> list[dict[str, Any]]:
+        """Finished-step records ``start..end`` (inclusive, -1 = the last) with their fault
+        counters read live: a zombie that wakes after its step finished still has its
+        rejected chunks counted against that step."""
+        records = await self.steps(run_id, start, end)
         pipe = self.r.pipeline(transaction=False)
         for rec in records:
             pipe.hmget(Keys.step(run_id, rec["step"]), list(LIVE_COUNTERS))
@@ -131,6 +135,18 @@ class RunStore:
                 if value is not None:
                     rec[key] = int(value)
         return records
+
+    async def warn(self, run_id: str, warning: str) -> None:
+        """Note something the run goes on without; a warning already noted is not repeated."""
+        key = Keys.run_warnings(run_id)
+        if warning[:2000] not in await self.r.lrange(key, 0, WARNINGS_MAX - 1):
+            pipe = self.r.pipeline(transaction=True)
+            pipe.rpush(key, warning[:2000])
+            pipe.ltrim(key, 0, WARNINGS_MAX - 1)
+            await pipe.execute()
+
+    async def warnings(self, run_id: str) -> list[str]:
+        return list(await self.r.lrange(Keys.run_warnings(run_id), 0, -1))
 
     async def step_progress(self, run_id: str, step: int) -> dict[str, Any]:
         info = await self.r.hgetall(Keys.step(run_id, step))

@@ -31,6 +31,7 @@ from manager_svc.accounting import Ledger
 from manager_svc.callout import AuthCallout
 from manager_svc.chunk_auth import ChunkAuth
 from manager_svc.dispatcher import Dispatcher
+from manager_svc.events import InstanceEvents
 from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.registry import Registry
@@ -47,7 +48,9 @@ from shared.protocol import (
     Heartbeat,
     Release,
     RunFailed,
+    RunWarning,
     StepFinish,
+    StepRecordQuery,
     StepSamplesQuery,
     StepStart,
     TrainerPoll,
@@ -79,6 +82,7 @@ class ManagerService:
         self.dispatcher: Dispatcher
         self.trainer: TrainerApi
         self.auth: ChunkAuth
+        self.events: InstanceEvents
 
     async def start(self) -> None:
         self.redis = await connect_redis(self.cfg.common.redis_url)
@@ -98,6 +102,8 @@ class ManagerService:
         await self._serve(names.TRAINER_SAMPLES, StepSamplesQuery, self.trainer.on_samples)
         await self._serve(names.TRAINER_FINISH, StepFinish, self.trainer.on_finish)
         await self._serve(names.TRAINER_FAIL, RunFailed, self.trainer.on_run_failed)
+        await self._serve(names.TRAINER_RECORD, StepRecordQuery, self.trainer.on_record)
+        await self._serve(names.TRAINER_WARN, RunWarning, self.trainer.on_warning)
         self._tasks = [
             asyncio.create_task(self._supervised(self.ingest.consume), name="chunk-ingest"),
             asyncio.create_task(self._supervised(self.dispatcher.run), name="dispatch"),
@@ -108,8 +114,9 @@ class ManagerService:
         """The parts, each given what it uses; none reaches another except through these."""
         cfg, redis, nc, metrics, soft = self.cfg, self.redis, self.nc, self.metrics, self.soft
         self.runs = RunStore(redis)
+        self.events = InstanceEvents(redis)
         self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key)
-        self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft)
+        self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft, self.events)
         self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth)
         self.dispatcher = Dispatcher(cfg, redis, nc, self.ledger, self.runs, self.registry,
                                      self.ingest, metrics, soft)

@@ -28,7 +28,10 @@ from shared.protocol import (
     ActiveRun,
     Digest,
     RunFailed,
+    RunWarning,
     StepFinish,
+    StepRecord,
+    StepRecordQuery,
     StepSamples,
     StepSamplesQuery,
     StepStart,
@@ -154,6 +157,7 @@ class TrainerApi:
             "step_s": now - started, "started_at": started, "finished_at": now,
             "rollout_s": float(info.get("rollout_done_at", now)) - started,
             "train_s": fin.train_s, "trainer_idle_s": fin.trainer_idle_s,
+            "publish_s": fin.publish_s,
             # After the barrier the rollout side waits for the optimizer step and new weights.
             "rollout_idle_s": max(0.0, now - float(info.get("rollout_done_at", now))),
             "seeding_window_s": float(info.get("window_s", 0.0)),
@@ -188,6 +192,16 @@ class TrainerApi:
             "spot_busy_s": done - spot_first, "spot_count": len(spot),
         })
         await self.redis.hset(Keys.seeding(fin.run_id), mapping=state.dump())
+
+    async def on_record(self, query: StepRecordQuery) -> StepRecord:
+        """A finished step's record, for the trainer's experiment trackers."""
+        records = await self.runs.step_records(query.run_id, query.step, query.step)
+        found = records[0] if records and records[0].get("step") == query.step else None
+        return StepRecord(run_id=query.run_id, step=query.step, record=found)
+
+    async def on_warning(self, msg: RunWarning) -> Ack:
+        await self.runs.warn(msg.run_id, msg.warning)
+        return Ack()
 
     async def on_run_failed(self, msg: RunFailed) -> Ack:
         await self.runs.set_state(msg.run_id, "failed", msg.error[:2000])

@@ -5,7 +5,8 @@ Subjects (core NATS unless marked JetStream):
     rlb.inst.release.<id>       instance -> manager, request/reply (Release -> Ack)
     rlb.inst.assign.<id>        manager -> one instance (Assign)
     rlb.chunk.<run>.<id>        instance -> manager, JetStream stream RLB_CHUNKS (TokenChunk)
-    rlb.trainer.<verb>          trainer -> manager, request/reply (poll|start|samples|finish|fail)
+    rlb.trainer.<verb>          trainer -> manager, request/reply
+                                (poll|start|samples|finish|fail|record|warn)
     rlb.evt.group.<run>         manager -> trainer, best effort (GroupDone)
     rlb.evt.handoff.<run>       manager -> trainer, best effort (Handoff): seeding window over
     rlb.evt.barrier.<run>       manager -> trainer, best effort (Barrier); the trainer also polls
@@ -35,6 +36,8 @@ TRAINER_START = f"{PREFIX}.trainer.start"
 TRAINER_SAMPLES = f"{PREFIX}.trainer.samples"
 TRAINER_FINISH = f"{PREFIX}.trainer.finish"
 TRAINER_FAIL = f"{PREFIX}.trainer.fail"
+TRAINER_RECORD = f"{PREFIX}.trainer.record"
+TRAINER_WARN = f"{PREFIX}.trainer.warn"
 WEIGHTS_ANNOUNCE = f"{PREFIX}.weights.announce"
 CHUNK_WILDCARD = f"{PREFIX}.chunk.>"
 AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"
@@ -153,6 +156,21 @@ class Keys:
     def samples(run_id: str, step: int) -> str:
         """JSON list of the samples the trainer trained on, rewards included."""
         return f"{PREFIX}:samples:{run_id}:{step}"
+
+    @staticmethod
+    def run_warnings(run_id: str) -> str:
+        """List of warnings about a run (a tracker that did not start), oldest first."""
+        return f"{PREFIX}:run:{run_id}:warnings"
+
+    @staticmethod
+    def events(run_id: str) -> str:
+        """Capped stream of the run's instance events: join, version, leave, death."""
+        return f"{PREFIX}:events:{run_id}"
+
+    @staticmethod
+    def run_instances(run_id: str) -> str:
+        """Hash instance id -> "session|weight version" last seen in the run (for its events)."""
+        return f"{PREFIX}:run:{run_id}:instances"
 
     @staticmethod
     def request(rid: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -30,6 +30,7 @@ FinishReason = Literal["stop", "length"]
 # Checked while parsing, so no handler ever sees an id that could collide in a Redis key.
 InstanceId = Annotated[str, msgspec.Meta(pattern=INSTANCE_ID_PATTERN, max_length=INSTANCE_ID_MAX)]
 RequestId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN, max_length=100)]
+Tracker = Literal["tensorboard", "wandb", "mlflow"]
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,6 +65,9 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # Sampling and prompts are drawn from it (invariant 5), never from the run id.
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
     seeding: SeedingSpec = msgspec.field(default_factory=SeedingSpec)
+    # Experiment trackers the trainer logs every step record to, offline, under the data dir.
+    trackers: Annotated[list[Tracker], msgspec.Meta(max_length=3)] = msgspec.field(
+        default_factory=list)
 
 
 # --- rollout instance <-> manager -------------------------------------------------------------
@@ -254,6 +258,27 @@ class StepFinish(Msg):
     loss: float
     train_s: float
     trainer_idle_s: float = 0.0
+    publish_s: float = 0.0  # of train_s: uploading the new version to the weight service
+
+
+class StepRecordQuery(Msg):
+    run_id: str
+    step: int
+
+
+class StepRecord(Msg):
+    """A finished step's record, as ``GET /v1/runs/{id}/steps`` serves it (None: not yet)."""
+
+    run_id: str
+    step: int
+    record: dict[str, Any] | None = None
+
+
+class RunWarning(Msg):
+    """Something the run goes on without (a tracker that did not start), shown to the user."""
+
+    run_id: str
+    warning: str
 
 
 class RunFailed(Msg):

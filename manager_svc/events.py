@@ -1,0 +1,70 @@
+"""Instance events of a run: who joined, which weight version each loaded, who left and how.
+
+Contract: each event is one entry of the run's capped Redis stream (``Keys.events``), written
+where the manager learns of it: a *join* is an instance's first heartbeat under a process
+session while the run is active (instances already up when a run starts join it at its first
+beat), a *version* is a heartbeat reporting a newly loaded weight version of the run, a
+*leave* is a release (``reason`` preempt, shutdown or abort), a *death* is the reaper finding
+a heartbeat expired. Join and version come from one script (``lua/observe.lua``), so a
+change is recorded once however beats interleave. Stream ids are Redis's clock in ms, so an
+event's time is its id; :meth:`InstanceEvents.read` pages by id. The stream is capped at
+:data:`MAX_EVENTS` (trimmed approximately, oldest first): 1,000 steps of 100 instances each
+loading every version fit. Events are for people (the dashboard's timeline); nothing in the
+control plane reads them back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from manager_svc.scripts import register
+from shared.names import Keys
+
+MAX_EVENTS = 120_000
+PAGE_MAX = 20_000
+
+
+def _event(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
+    version = int(fields.get("version", "-1"))
+    return {"id": entry_id, "t": int(entry_id.split("-", 1)[0]) / 1000.0,
+            "type": fields.get("type", ""), "instance": fields.get("instance", ""),
+            "kind": fields.get("kind") or None, "version": None if version < 0 else version,
+            "reason": fields.get("reason") or None}
+
+
+class InstanceEvents:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self._observe = register(redis, "observe.lua")
+
+    async def observe(self, run_id: str, instance_id: str, session: str, kind: str,
+                      version: int | None) -> None:
+        """A heartbeat of ``instance_id`` while ``run_id`` is active; ``version`` is the
+        version of this run it has loaded, if any."""
+        await self._observe(keys=[Keys.run_instances(run_id), Keys.events(run_id)],
+                            args=[instance_id, session, kind,
+                                  -1 if version is None else version, MAX_EVENTS])
+
+    async def left(self, run_id: str, instance_id: str, kind: str | None, reason: str) -> None:
+        await self._add(run_id, {"type": "leave", "instance": instance_id, "kind": kind or "",
+                                 "reason": reason})
+
+    async def died(self, run_id: str, instance_id: str) -> None:
+        await self._add(run_id, {"type": "death", "instance": instance_id, "reason": "silent"})
+
+    async def _add(self, run_id: str, fields: dict[str, str]) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(Keys.events(run_id), fields, maxlen=MAX_EVENTS, approximate=True)
+        # A process that rejoins under the same id after leaving is a new join.
+        pipe.hdel(Keys.run_instances(run_id), fields["instance"])
+        await pipe.execute()
+
+    async def read(self, run_id: str, after: str | None = None,
+                   limit: int = PAGE_MAX) -> list[dict[str, Any]]:
+        """Events after the id ``after`` (from the first without it), oldest first."""
+        start = f"({after}" if after else "-"
+        rows = await self.redis.xrange(Keys.events(run_id), min=start, max="+",
+                                       count=max(1, min(limit, PAGE_MAX)))
+        return [_event(entry_id, fields) for entry_id, fields in rows]
