@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 from nats.aio.client import Client as Nats
 
@@ -22,8 +23,11 @@ from shared.protocol import (
     Ack,
     ActiveRun,
     RunFailed,
+    RunWarning,
     Sample,
     StepFinish,
+    StepRecord,
+    StepRecordQuery,
     StepSamples,
     StepSamplesQuery,
     StepStart,
@@ -93,6 +97,18 @@ class ManagerClient:
                 raise RunAborted(ack.detail)
             return
         raise PeerTimeout(names.TRAINER_FINISH, 5.0)
+
+    async def step_record(self, run_id: str, step: int) -> dict[str, Any] | None:
+        """A finished step's record as the manager serves it (None: not recorded)."""
+        reply = await request(self.nc, names.TRAINER_RECORD,
+                              StepRecordQuery(run_id=run_id, step=step), StepRecord, 5.0)
+        return reply.record
+
+    async def warn(self, run_id: str, warning: str) -> None:
+        """Show a warning on the run (GET /v1/runs/{id}); best effort."""
+        with contextlib.suppress(RlboostError):
+            await request(self.nc, names.TRAINER_WARN,
+                          RunWarning(run_id=run_id, warning=warning), Ack, 3.0)
 
     async def fail(self, run_id: str, error: str) -> None:
         """Tell the manager the run failed here; best effort (the trainer goes on polling)."""

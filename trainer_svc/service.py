@@ -24,6 +24,7 @@ from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from shared import names
@@ -48,6 +49,7 @@ from trainer_svc.errors import RunAborted
 from trainer_svc.manager_client import ManagerClient
 from trainer_svc.policies import Policy, make_policy
 from trainer_svc.step_feed import StepEvents, StepFeed
+from trainer_svc.trackers import Trackers
 
 log = logging.getLogger("trainer")
 
@@ -59,6 +61,7 @@ class ActiveTraining:
     policy: Policy
     version: int  # the checkpoint's weight version: the step it can train next
     trained: dict[int, list[Sample]] = field(default_factory=dict)  # this step's, by prompt
+    trackers: Trackers = field(default_factory=lambda: Trackers({}))
 
     def begin_step(self) -> None:
         self.trained = {}
@@ -116,6 +119,7 @@ class TrainerService:
             while not self._stop.is_set():
                 await self._until_stopped(self._tick())
         finally:
+            await self._leave_run(finished=False)
             with contextlib.suppress(Exception):
                 await nc.close()
 
@@ -151,16 +155,17 @@ class TrainerService:
             await asyncio.sleep(self.cfg.poll_s)
             return
         if work.run_id is None or work.spec is None:
-            self.active = None
+            await self._leave_run(finished=True)
             await asyncio.sleep(self.cfg.poll_s)
             return
         try:
             if self.active is None or self.active.run_id != work.run_id:
+                await self._leave_run(finished=True)
                 self.active = await self._setup(work.run_id, work.spec)
             await self.train_step(self.active, work.step)
         except RunAborted as exc:
             log.warning("run %s: %s", work.run_id, exc)
-            self.active = None
+            await self._leave_run(finished=False)
         except RlboostError as exc:
             if not exc.retryable:
                 await self._fail(work.run_id, exc)
@@ -174,7 +179,7 @@ class TrainerService:
 
     async def _fail(self, run_id: str, exc: Exception) -> None:
         log.error("run %s failed: %r", run_id, exc, exc_info=exc)
-        self.active = None
+        await self._leave_run(finished=False)
         await self.manager.fail(run_id, f"{type(exc).__name__}: {exc}")
 
     async def _setup(self, run_id: str, spec: RunSpec) -> ActiveTraining:
@@ -186,7 +191,12 @@ class TrainerService:
         except ValueError as exc:
             raise RunAborted(str(exc)) from exc
         version = await asyncio.to_thread(policy.restore)
-        run = ActiveTraining(run_id, spec, policy, version)
+        trackers, warnings = await asyncio.to_thread(
+            Trackers.open, list(spec.trackers), common.data_dir / "trackers" / run_id, run_id,
+            msgspec.to_builtins(spec))
+        for warning in warnings:
+            await self.manager.warn(run_id, warning)
+        run = ActiveTraining(run_id, spec, policy, version, trackers=trackers)
         await self._publish(run, version)
         log.info("run %s: model %s at version %d", run_id, spec.model, version)
         return run
@@ -215,10 +225,13 @@ class TrainerService:
             stats = await asyncio.to_thread(run.policy.step, step)  # the optimizer step
             report = self._step_report(run, step, trained, stats)
             await self._checkpoint(run, report)
+            published = time.monotonic()
             await self._publish(run, report.new_version)
+            report.publish_s = time.monotonic() - published
         report.train_s, report.trainer_idle_s = clock.busy_s, clock.idle_s()
         run.policy.checkpoints.save_finish(report)  # again, with its timings
         await self._report(report)
+        await self._track(run, step)
 
     # --- its parts -------------------------------------------------------------------------
 
@@ -268,6 +281,27 @@ class TrainerService:
             raise RunAborted(f"checkpoint is at v{run.version} but step {step} has no report")
         await self._publish(run, run.version)
         await self._report(saved)
+        await self._track(run, step)
+
+    async def _track(self, run: ActiveTraining, step: int) -> None:
+        """Log the step's record, as the manager finished it, to the run's trackers."""
+        if not run.trackers.sinks:
+            return
+        try:
+            record = await self.manager.step_record(run.run_id, step)
+        except RlboostError as exc:  # the step is reported; only its tracker entry is lost
+            log.warning("step %d: no record for the trackers (%s)", step, exc)
+            return
+        if record is None:
+            return  # the manager no longer has it (the run was cancelled meanwhile)
+        for warning in await asyncio.to_thread(run.trackers.log, step, record):
+            await self.manager.warn(run.run_id, warning)
+
+    async def _leave_run(self, finished: bool) -> None:
+        """Forget the active run; its trackers are flushed and closed."""
+        if self.active is not None:
+            await asyncio.to_thread(self.active.trackers.close, finished)
+        self.active = None
 
     async def _report(self, report: StepFinish) -> None:
         await self.manager.finish(report)
