@@ -1,10 +1,14 @@
-"""The ``rlboost`` command: every service as a subcommand, plus ``up`` (the embedded stack),
-``submit`` and ``status`` for talking to a running manager.
+"""The ``rlboost`` command: every service as a subcommand, plus ``up`` (the embedded stack)
+and the commands that talk to a running manager (RLBOOST_MANAGER_URL, RLBOOST_API_TOKEN).
 
     rlboost up [--seed N] [--steps N] [--spot 2] [--reserved 1]   start all, run, summarise, stop
     rlboost manager | weights | trainer | rollout                 one service (same as python -m)
-    rlboost submit [--spec FILE | --set key=value ...]            POST /v1/runs
-    rlboost status [RUN_ID]                                       GET /v1/runs[/RUN_ID]
+    rlboost submit [--spec FILE.yaml|.json] [--FIELD VALUE ...]   POST /v1/runs (every run-spec
+                                                                  field is a flag: --help)
+    rlboost runs                                                  the runs, one line each
+    rlboost status [RUN_ID]                                       GET /v1/runs[/RUN_ID] as JSON
+    rlboost watch RUN_ID                                          follow a run live until it ends
+    rlboost cancel RUN_ID                                         POST /v1/runs/RUN_ID/cancel
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Cluster
+from rlboost.spec_flags import add_spec_flags, spec_body
+from rlboost.watch import watch
 from shared.process import exit_on_sigterm
 from shared.settings import mask_url
 
@@ -33,21 +39,8 @@ def _manager_url() -> str:
     return os.environ.get("RLBOOST_MANAGER_URL", "http://127.0.0.1:8000")
 
 
-def _parse_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def _body_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The run spec fields given on the command line, as the body of ``POST /v1/runs``: the
-    manager validates it (shared.protocol.RunSpec) and fills in every field not given."""
-    body: dict[str, Any] = json.loads(Path(args.spec).read_text()) if args.spec else {}
-    for item in args.set or []:
-        key, _, value = item.partition("=")
-        body[key] = _parse_value(value)
-    return body
+def _client() -> httpx.Client:
+    return httpx.Client(base_url=_manager_url(), headers=_headers(), timeout=10.0)
 
 
 class Progress:
@@ -102,7 +95,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         urls = {name: mask_url(cluster.env[f"RLBOOST_{name.upper()}_URL"])
                 for name in ("manager", "weights", "nats", "redis")}
         print("  " + "  ".join(f"{name} {url}" for name, url in urls.items()), flush=True)
-        body: dict[str, Any] = {"seed": args.seed, **_body_from_args(args)}
+        body: dict[str, Any] = {"seed": args.seed, **spec_body(args)}
         if args.steps:
             body["steps"] = args.steps
         with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], headers=_headers(),
@@ -143,9 +136,46 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    resp = httpx.post(f"{_manager_url()}/v1/runs", json=_body_from_args(args), headers=_headers())
+    try:
+        body = spec_body(args)
+    except (OSError, ValueError) as exc:  # yaml's errors are ValueErrors too
+        print(f"rlboost submit: {exc}", file=sys.stderr)
+        return 2
+    resp = httpx.post(f"{_manager_url()}/v1/runs", json=body, headers=_headers())
     print(json.dumps(resp.json(), indent=2))
     return 0 if resp.status_code == 201 else 1
+
+
+def cmd_runs(_: argparse.Namespace) -> int:
+    with _client() as client:
+        resp = client.get("/v1/runs")
+    if resp.status_code != 200:
+        print(resp.json().get("detail", resp.text), file=sys.stderr)
+        return 1
+    print(f"{'run':<18} {'state':<10} {'step':>11}  {'model':<16} created")
+    for run in resp.json():
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["created_at"]))
+        print(f"{run['id']:<18} {run['state']:<10} {run['step']:>5}/{run['steps']:<5}  "
+              f"{str(run['spec'].get('model', ''))[:16]:<16} {created}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client() as client:
+        resp = client.post(f"/v1/runs/{args.run_id}/cancel")
+    if resp.status_code != 200:
+        print(resp.json().get("detail", resp.text), file=sys.stderr)
+        return 1
+    print(f"{args.run_id}: {resp.json()['state']}")
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    with _client() as client:
+        try:
+            return watch(client, args.run_id, args.interval)
+        except KeyboardInterrupt:
+            return 130
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -172,28 +202,35 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--spot", type=int, default=2)
     up.add_argument("--reserved", type=int, default=1)
     up.add_argument("--engine", default="torch", choices=["torch", "emu"])
-    up.add_argument("--spec", help="JSON file with run spec fields")
+    up.add_argument("--spec", help="run spec file (YAML or JSON)")
     up.add_argument("--set", action="append", metavar="KEY=VALUE", help="one run spec field")
     up.add_argument("--root", default=".rlboost")
     up.add_argument("--timeout", type=float, default=600.0)
     up.add_argument("--require-gain", type=float, default=None,
                     help="exit 1 unless last-5 mean reward exceeds first-5 by this much")
+    add_spec_flags(up, skip=frozenset({"seed", "steps"}))
     for name, module in (("manager", "manager_svc"), ("weights", "weight_svc"),
                          ("trainer", "trainer_svc"), ("rollout", "rollout_svc")):
         sub.add_parser(name, help=f"run the {module} service (= python -m {module})") \
             .set_defaults(module=module)
     submit = sub.add_parser("submit", help="submit a run to RLBOOST_MANAGER_URL")
-    submit.add_argument("--spec", help="JSON file with the run spec")
-    submit.add_argument("--set", action="append", metavar="KEY=VALUE")
-    status = sub.add_parser("status", help="show runs, or one run")
+    submit.add_argument("--spec", help="run spec file: YAML (.yaml, .yml) or JSON (.json)")
+    submit.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="one run spec field (dotted for nested ones), value as JSON")
+    add_spec_flags(submit)
+    sub.add_parser("runs", help="list the runs")
+    status = sub.add_parser("status", help="show runs, or one run, as JSON")
     status.add_argument("run_id", nargs="?")
+    follow = sub.add_parser("watch", help="follow a run live (progress, rewards, instances)")
+    follow.add_argument("run_id")
+    follow.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
+    cancel = sub.add_parser("cancel", help="cancel a queued or running run")
+    cancel.add_argument("run_id")
     args = parser.parse_args(argv)
-    if args.command == "up":
-        return cmd_up(args)
-    if args.command == "submit":
-        return cmd_submit(args)
-    if args.command == "status":
-        return cmd_status(args)
+    commands = {"up": cmd_up, "submit": cmd_submit, "runs": cmd_runs, "status": cmd_status,
+                "watch": cmd_watch, "cancel": cmd_cancel}
+    if args.command in commands:
+        return commands[args.command](args)
     return _service(args.module)
 
 
