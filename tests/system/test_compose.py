@@ -113,7 +113,8 @@ def known_names() -> set[str]:
 
 
 FILES = ("docker-compose.yml", "reserved.yml", "spot.yml")
-PUBLISHED = {"docker-compose.yml": {"manager": ["127.0.0.1:8000:8000"]},
+PUBLISHED = {"docker-compose.yml": {"manager": ["127.0.0.1:8000:8000"],
+                                     "grafana": ["127.0.0.1:3000:3000"]},
              "reserved.yml": {"nats": ["4222:4222"], "manager": ["8000:8000"],
                               "weights": ["8001:8001", "8002:8002"]},
              "spot.yml": {}}
@@ -220,6 +221,8 @@ class Deployment:
 
     def start(self) -> None:
         for name, svc in self.services.items():
+            if svc.get("profiles"):
+                continue  # compose starts these only when their profile is asked for
             replicas = int((svc.get("deploy") or {}).get("replicas", 1))
             for i in range(replicas):
                 self._spawn(f"{name}-{i}", svc)
