@@ -42,6 +42,14 @@ test-fast: venv
 clean:
 	rm -rf .rlboost .mypy_cache .ruff_cache
 
+.PHONY: browser
+# Debian's chromium for the dashboard tests (headless; Playwright drives it, never downloads
+# one). apt-get needs root; where it cannot install, those tests skip and say so.
+browser:
+	@if [ -x /usr/bin/chromium ]; then echo "chromium: $$(/usr/bin/chromium --version 2>/dev/null)"; \
+	else (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+	  || echo "chromium could not be installed: the dashboard tests will skip"; fi
+
 .PHONY: bench-preempt
 bench-preempt: venv
 	$(BIN)/python -m benchmarks.preempt
