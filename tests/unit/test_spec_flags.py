@@ -101,3 +101,11 @@ def test_a_spec_file_that_is_not_a_mapping_is_refused(tmp_path: Path,
     path.write_text("- steps\n- 5\n")
     assert cli.main(["submit", "--spec", str(path)]) == 2
     assert "mapping" in capsys.readouterr().err
+
+
+def test_the_yaml_example_is_a_valid_run_spec() -> None:
+    root = Path(__file__).resolve().parents[2]
+    body = spec_body(parse(["--spec", str(root / "examples" / "run.yaml"), "--steps", "5"]))
+    spec = decode(msgspec.json.encode(body), RunSpec)
+    assert spec.steps == 5 and spec.seeding.mode == "adaptive"
+    assert spec.trackers == ["tensorboard", "mlflow"]
