@@ -95,6 +95,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         urls = {name: mask_url(cluster.env[f"RLBOOST_{name.upper()}_URL"])
                 for name in ("manager", "weights", "nats", "redis")}
         print("  " + "  ".join(f"{name} {url}" for name, url in urls.items()), flush=True)
+        print(f"  dashboard {urls['manager']}/ui/   (or: rlboost watch RUN_ID)", flush=True)
         body: dict[str, Any] = {"seed": args.seed, **spec_body(args)}
         if args.steps:
             body["steps"] = args.steps

@@ -222,3 +222,25 @@ def test_every_metric_of_the_grafana_dashboard_is_served(observed: Observed) -> 
     assert not missing, f"the dashboard uses metrics no service serves: {missing}"
     assert {"manager", "weights", "trainer", "reserved-0"} <= {
         s for name in used for s in served[name]}  # every kind of service is on the board
+
+
+def test_runs_and_cancel_commands(observed: Observed) -> None:
+    env = {**os.environ, "RLBOOST_MANAGER_URL": observed.cluster.env["RLBOOST_MANAGER_URL"],
+           "RLBOOST_API_TOKEN": TOKEN}
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rlboost.cli", *argv], env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    runs = cli("runs")
+    assert runs.returncode == 0, runs.stderr
+    row = next(line for line in runs.stdout.splitlines() if observed.run["id"] in line)
+    assert "succeeded" in row and f"{SPEC['steps']}/{SPEC['steps']}" in row
+    done = cli("cancel", observed.run["id"])  # an ended run stays as it ended
+    assert done.returncode == 0 and "succeeded" in done.stdout
+    missing = cli("cancel", "run-nope")
+    assert missing.returncode == 1 and "no run" in missing.stderr
+    refused = subprocess.run([sys.executable, "-m", "rlboost.cli", "runs"], capture_output=True,
+                             text=True, timeout=60, check=False,
+                             env={**env, "RLBOOST_API_TOKEN": "wrong"})
+    assert refused.returncode == 1 and "token" in refused.stderr
