@@ -47,6 +47,21 @@ def test_prometheus_scrapes_every_service_where_it_serves_metrics() -> None:
             port = env["RLBOOST_METRICS_PORT"]
             assert env["RLBOOST_METRICS_ADDR"] == "0.0.0.0", name
         assert f"{name}:{port}" in targets.get(name, set()), (name, targets)
+    # The REST services guard /metrics off loopback: Prometheus sends each one's own token,
+    # from a compose secret made from that service's variable.
+    secrets = compose()["secrets"]
+    mounted = set(services["prometheus"]["secrets"])
+    for job in prom["scrape_configs"]:
+        name = job["job_name"]
+        if name in ("manager", "weights"):
+            secret = job["authorization"]["credentials_file"].removeprefix("/run/secrets/")
+            assert secret in mounted, name
+            var = secrets[secret]["environment"]
+            assert var == {"manager": "RLBOOST_API_TOKEN",
+                           "weights": "RLBOOST_WEIGHTS_READ_TOKEN"}[name]
+            assert var in env_of(services[name]), name  # the token that service accepts
+        else:
+            assert "authorization" not in job, name
     for name in ("prometheus", "grafana"):
         assert services[name]["profiles"] == ["observability"]
     assert prom["scrape_configs"][-1]["dns_sd_configs"][0]["type"] == "A"  # every replica
