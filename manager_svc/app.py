@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 
 from manager_svc.events import PAGE_MAX
 from manager_svc.live import run_stream
+from manager_svc.runs import RunConflict
 from manager_svc.service import ManagerService
 from shared.errors import ProtocolError
 from shared.http_guard import INFO_PATHS, Access, Guard, document, info_open
@@ -146,7 +147,32 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True,
         run = await service.runs.cancel(run_id)
         if run is None:
             raise HTTPException(404, f"no run {run_id!r}")
+        log.info("run %s is %s at step %d", run_id, run["state"], run["step"])
         return run
+
+    @app.post("/v1/runs/{run_id}/resume")
+    async def resume_run(run_id: str) -> dict[str, Any]:
+        """Queue a failed or cancelled run again; it goes on from the checkpoint of its last
+        finished step (409 if it is in another state or finished no step)."""
+        try:
+            run = await service.runs.resume(run_id)
+        except RunConflict as exc:
+            raise HTTPException(409, str(exc)) from exc
+        if run is None:
+            raise HTTPException(404, f"no run {run_id!r}")
+        log.info("run %s resumed at step %d", run_id, run["step"])
+        service.soft.wake.set()
+        return run
+
+    @app.get("/v1/runs/{run_id}/checkpoints")
+    async def run_checkpoints(run_id: str) -> list[dict[str, Any]]:
+        """The weight versions kept for the user (the spec's save_every and keep_last), oldest
+        first: ``version``, ``step`` (the last step trained into it), ``reward_mean`` of that
+        step and ``saved_at``. ``rlboost export`` pulls one from the weight service."""
+        found = await service.runs.checkpoints(run_id)
+        if found is None:
+            raise HTTPException(404, f"no run {run_id!r}")
+        return found
 
     @app.get("/v1/runs/{run_id}/steps")
     async def run_steps(run_id: str) -> list[dict[str, Any]]:
@@ -219,4 +245,6 @@ def _errors(method: str, path: str) -> set[int]:
         codes |= {404, 422}
     if method == "POST" and path == "/v1/runs":
         codes |= {422}
+    if path.endswith("/resume"):
+        codes |= {409}
     return codes

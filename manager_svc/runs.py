@@ -18,8 +18,10 @@ import uuid
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from manager_svc.scripts import register
+from shared.errors import RlboostError
 from shared.names import Keys
 from shared.protocol import RunSpec, decode, encode
 
@@ -30,6 +32,10 @@ LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_
                  "stale_chunks_rejected", "tokens_regenerated", "forged_chunks_rejected",
                  "invalid_chunks_dropped")
 WARNINGS_MAX = 50  # warnings kept per run
+
+
+class RunConflict(RlboostError):
+    """What was asked does not fit the run's state (the REST layer answers 409)."""
 
 
 class RunStore:
@@ -104,18 +110,72 @@ class RunStore:
                 await self.r.delete(Keys.active)
         return await self.get(run_id)
 
+    async def resume(self, run_id: str) -> dict[str, Any] | None:
+        """Queue a failed or cancelled run again; None for an unknown run.
+
+        It goes on at its step, the one after the last finished step: the trainer restores the
+        checkpoint it wrote after that step, and the step's responses committed before the run
+        stopped are kept (they were generated with that same version, so they stay on-policy
+        and each is still trained on once). A run that finished no step has no checkpoint:
+        :class:`RunConflict`, as for a run that is not failed or cancelled. Watched, so two
+        concurrent resumes queue it once.
+        """
+        key = Keys.run(run_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    state, step, steps = await pipe.hmget(key, ["state", "step", "steps"])
+                    if state is None:
+                        return None
+                    if state not in ("failed", "cancelled"):
+                        raise RunConflict(f"run {run_id} is {state}: only a failed or cancelled "
+                                          "run can be resumed")
+                    if int(step) == 0:
+                        raise RunConflict(f"run {run_id} has no checkpoint to resume from: it "
+                                          "finished no step; submit its spec again")
+                    if int(step) >= int(steps):
+                        raise RunConflict(f"run {run_id} finished all {steps} steps")
+                    pipe.multi()
+                    pipe.hset(key, mapping={"state": "queued", "error": "",
+                                            "updated_at": time.time()})
+                    pipe.rpush(Keys.queue, run_id)
+                    await pipe.execute()
+                    break
+                except WatchError:
+                    continue
+        return await self.get(run_id)
+
     async def finish_step(
-        self, run_id: str, step: int, record: dict[str, Any], samples_json: str, steps: int
+        self, run_id: str, step: int, record: dict[str, Any], samples_json: str, steps: int,
+        checkpoints: list[int] | None = None,
     ) -> None:
-        """Record step ``step`` and advance the run; the run succeeds after its last step."""
+        """Record step ``step`` and advance the run; the run succeeds after its last step.
+        ``checkpoints``: the versions the trainer keeps for the user after this step."""
         pipe = self.r.pipeline(transaction=True)
         pipe.set(Keys.samples(run_id, step), samples_json)
         pipe.rpush(Keys.step_records(run_id), json.dumps(record))
         pipe.hset(Keys.run(run_id), mapping={"step": step + 1, "updated_at": time.time()})
+        if checkpoints is not None:
+            pipe.hset(Keys.run(run_id), "checkpoints", json.dumps(checkpoints))
         if step + 1 >= steps:
             pipe.hset(Keys.run(run_id), "state", "succeeded")
             pipe.delete(Keys.active)
         await pipe.execute()
+
+    async def checkpoints(self, run_id: str) -> list[dict[str, Any]] | None:
+        """The versions kept for the user, oldest first, each with the step that made it
+        (version v holds the weights after step v - 1); None for an unknown run."""
+        raw = await self.r.hmget(Keys.run(run_id), ["id", "checkpoints"])
+        if raw[0] is None:
+            return None
+        found = []
+        for version in json.loads(raw[1] or "[]"):
+            [record] = await self.steps(run_id, version - 1, version - 1) or [{}]
+            found.append({"version": version, "step": version - 1,
+                          "reward_mean": record.get("reward_mean"),
+                          "saved_at": record.get("finished_at")})
+        return found
 
     async def steps(self, run_id: str, start: int = 0, end: int = -1) -> list[dict[str, Any]]:
         return [json.loads(x)

@@ -168,7 +168,8 @@ class TrainerApi:
             **{k: int(info.get(k, 0)) for k in LIVE_COUNTERS},
         }
         await self.runs.finish_step(fin.run_id, fin.step, record,
-                                    msgspec.json.encode(samples).decode(), run["steps"])
+                                    msgspec.json.encode(samples).decode(), run["steps"],
+                                    fin.checkpoints)
         await self.redis.hset(Keys.step(fin.run_id, fin.step), "state", "finished")
         self.metrics.steps.inc()
         self.metrics.step_seconds.observe(record["step_s"])

@@ -9,6 +9,11 @@ and the commands that talk to a running manager (RLBOOST_MANAGER_URL, RLBOOST_AP
     rlboost status [RUN_ID]                                       GET /v1/runs[/RUN_ID] as JSON
     rlboost watch RUN_ID                                          follow a run live until it ends
     rlboost cancel RUN_ID                                         POST /v1/runs/RUN_ID/cancel
+    rlboost resume RUN_ID                                         POST /v1/runs/RUN_ID/resume
+    rlboost export RUN_ID DIR [--version N]                       a run's weights as an HF model
+                                                                  directory, from the weight
+                                                                  service (RLBOOST_WEIGHTS_URL,
+                                                                  RLBOOST_WEIGHTS_READ_TOKEN)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from rlboost.export import ExportError, run_export
 from rlboost.launcher import Cluster
 from rlboost.spec_flags import add_spec_flags, spec_body
 from rlboost.watch import watch
@@ -161,13 +167,24 @@ def cmd_runs(_: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_cancel(args: argparse.Namespace) -> int:
+def cmd_run_action(args: argparse.Namespace) -> int:
+    """``cancel`` or ``resume``: POST /v1/runs/RUN_ID/<command>."""
     with _client() as client:
-        resp = client.post(f"/v1/runs/{args.run_id}/cancel")
+        resp = client.post(f"/v1/runs/{args.run_id}/{args.command}")
     if resp.status_code != 200:
         print(resp.json().get("detail", resp.text), file=sys.stderr)
         return 1
     print(f"{args.run_id}: {resp.json()['state']}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    try:
+        done = run_export(args.run_id, Path(args.dir), args.version)
+    except ExportError as exc:
+        print(f"rlboost export: {exc}", file=sys.stderr)
+        return 1
+    print(f"{done.run_id} version {done.version} -> {done.path}: {', '.join(done.files)}")
     return 0
 
 
@@ -227,9 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     follow.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
     cancel = sub.add_parser("cancel", help="cancel a queued or running run")
     cancel.add_argument("run_id")
+    resume = sub.add_parser("resume", help="queue a failed or cancelled run again; it goes on "
+                            "from its last finished step's checkpoint")
+    resume.add_argument("run_id")
+    export = sub.add_parser("export", help="write a run's weights as an HF model directory")
+    export.add_argument("run_id")
+    export.add_argument("dir", help="where to write it (must not exist, or be empty)")
+    export.add_argument("--version", type=int, default=None,
+                        help="weight version (default: the newest the weight service holds)")
     args = parser.parse_args(argv)
     commands = {"up": cmd_up, "submit": cmd_submit, "runs": cmd_runs, "status": cmd_status,
-                "watch": cmd_watch, "cancel": cmd_cancel}
+                "watch": cmd_watch, "cancel": cmd_run_action, "resume": cmd_run_action,
+                "export": cmd_export}
     if args.command in commands:
         return commands[args.command](args)
     return _service(args.module)

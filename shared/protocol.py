@@ -65,6 +65,11 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # Sampling and prompts are drawn from it (invariant 5), never from the run id.
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
     seeding: SeedingSpec = msgspec.field(default_factory=SeedingSpec)
+    # Weight versions kept for the user (GET /v1/runs/{id}/checkpoints, rlboost export): every
+    # save_every-th one and the final one (0: the final one only); of those, the newest
+    # keep_last stay (0: all). The trainer checkpoints every step anyway, to resume from.
+    save_every: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+    keep_last: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     # Experiment trackers the trainer logs every step record to, offline, under the data dir.
     trackers: Annotated[list[Tracker], msgspec.Meta(max_length=3)] = msgspec.field(
         default_factory=list)
@@ -259,6 +264,7 @@ class StepFinish(Msg):
     train_s: float
     trainer_idle_s: float = 0.0
     publish_s: float = 0.0  # of train_s: uploading the new version to the weight service
+    checkpoints: list[int] = []  # versions kept for the user after this step (save_every)
 
 
 class StepRecordQuery(Msg):

@@ -48,6 +48,7 @@ from trainer_svc import task
 from trainer_svc.errors import RunAborted
 from trainer_svc.manager_client import ManagerClient
 from trainer_svc.policies import Policy, make_policy
+from trainer_svc.saved import keep_saved
 from trainer_svc.step_feed import StepEvents, StepFeed
 from trainer_svc.trackers import Trackers
 
@@ -227,6 +228,7 @@ class TrainerService:
             await self._checkpoint(run, report)
             published = time.monotonic()
             await self._publish(run, report.new_version)
+            report.checkpoints = await self._keep(run, report.new_version)
             report.publish_s = time.monotonic() - published
         report.train_s, report.trainer_idle_s = clock.busy_s, clock.idle_s()
         run.policy.checkpoints.save_finish(report)  # again, with its timings
@@ -275,11 +277,18 @@ class TrainerService:
         await upload_version(self.cfg.common.weights_url, reveal(self.cfg.common.weights_token),
                              run.run_id, version, run.policy.checkpoints.hf_dir(version))
 
+    async def _keep(self, run: ActiveTraining, version: int) -> list[int]:
+        """Pin the versions the spec keeps for the user (trainer_svc.saved)."""
+        return await keep_saved(self.cfg.common.weights_url,
+                                reveal(self.cfg.common.weights_token), run.run_id, run.spec,
+                                version)
+
     async def _report_again(self, run: ActiveTraining, step: int) -> None:
         saved = run.policy.checkpoints.load_finish(step)
         if saved is None:
             raise RunAborted(f"checkpoint is at v{run.version} but step {step} has no report")
         await self._publish(run, run.version)
+        saved.checkpoints = await self._keep(run, run.version)  # it may have stopped mid-way
         await self._report(saved)
         await self._track(run, step)
 

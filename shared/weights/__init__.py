@@ -8,7 +8,7 @@ One module per noun, in the order a pull uses them:
 
 - ``manifest``      the wire format both ends share: manifest types, name rules, checks
 - ``session``       the HTTP session every API call goes through, with its retry policy
-- ``client``        upload, wait for, pin and unpin a version; list its peers
+- ``client``        upload, wait for, pin and unpin a version; list its peers and a run's versions
 - ``pull``          pulling one version: sources, worker threads, resume, publish
 - ``plan``          the chunk schedule of one pull (which chunk from which source, when)
 - ``partial``       a version being pulled: its directory and verified-chunk record
@@ -19,6 +19,7 @@ One module per noun, in the order a pull uses them:
 
 from shared.weights.client import (
     list_peers,
+    list_versions,
     pin_version,
     unpin_version,
     upload_version,
@@ -46,6 +47,7 @@ __all__ = [
     "Manifest",
     "PeerServer",
     "list_peers",
+    "list_versions",
     "pin_version",
     "pull_version",
     "unpin_version",

@@ -10,6 +10,7 @@ Trainers and rollout instances import these through :mod:`shared.weights`. Contr
   already keeps the newest two (the step being rolled out and the one being published); a caller
   that needs an older one for longer pins it for as long as it does.
 - :func:`list_peers` names the peers that serve a version (see :mod:`shared.weights.peer`).
+- :func:`list_versions` names the versions of a run the service holds, and the pinned ones.
 
 Every failure is a :class:`WeightsError`; ``retryable`` is False where retrying cannot help (a bad
 name, conflicting content, a chunk corrupt at the source, a rejected token).
@@ -152,6 +153,16 @@ async def unpin_version(
     check_ids(run_id, version)
     async with Session(base_url, token, timeout_s, max_attempts=5) as session:
         await session.send("DELETE", f"/v1/weights/{run_id}/{version}/pin")
+
+
+async def list_versions(
+    base_url: str, token: str | None, run_id: str, timeout_s: float = 10
+) -> tuple[list[int], list[int]]:
+    """The run's published versions and its pinned ones, ascending (both empty: none)."""
+    check_ids(run_id, 0)
+    async with Session(base_url, token, timeout_s, max_attempts=3) as session:
+        reply = await session.json("GET", f"/v1/weights/{run_id}")
+    return [int(v) for v in reply["versions"]], [int(v) for v in reply["pinned"]]
 
 
 async def list_peers(

@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import nats
 import pytest
+import redis
 
 from rlboost.launcher import Child
 from shared import names
 from shared.bus import request
+from shared.names import Keys
 from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release, RunSpec, encode
 from shared.stack import Stack, free_port
 
@@ -102,6 +105,39 @@ def test_run_lifecycle_and_unknown_ids(manager: httpx.Client) -> None:
         assert resp.status_code == 404 and "nope" in resp.json()["detail"]
     assert manager.post("/v1/runs/nope/cancel").status_code == 404
     assert manager.get("/v1/instances").json() == []
+
+
+def test_resume_and_checkpoints_answer_every_case(manager: httpx.Client, brokers: Stack
+                                                  ) -> None:
+    r = redis.Redis.from_url(brokers.redis.url, decode_responses=True)
+    run_id = manager.post("/v1/runs", json={"steps": 3}).json()["id"]
+    assert manager.get(f"/v1/runs/{run_id}/checkpoints").json() == []
+    deadline = time.monotonic() + 10
+    while manager.get(f"/v1/runs/{run_id}").json()["state"] != "running":
+        assert time.monotonic() < deadline, "the run was never activated"
+        time.sleep(0.05)
+    refused = manager.post(f"/v1/runs/{run_id}/resume")
+    assert refused.status_code == 409 and "is running" in refused.json()["detail"]
+    manager.post(f"/v1/runs/{run_id}/cancel")
+    refused = manager.post(f"/v1/runs/{run_id}/resume")
+    assert refused.status_code == 409 and "no checkpoint" in refused.json()["detail"]
+    # As the manager leaves a run that failed after its first step (the trainer's report).
+    r.hset(Keys.run(run_id), mapping={"state": "failed", "step": 1, "error": "boom",
+                                      "checkpoints": "[1]"})
+    resumed = manager.post(f"/v1/runs/{run_id}/resume")
+    assert resumed.status_code == 200, resumed.text
+    assert resumed.json()["state"] == "queued" and resumed.json()["error"] is None
+    assert resumed.json()["step"] == 1
+    while manager.get(f"/v1/runs/{run_id}").json()["state"] != "running":
+        assert time.monotonic() < deadline + 10, "the resumed run was never activated"
+        time.sleep(0.05)
+    assert manager.get(f"/v1/runs/{run_id}/checkpoints").json() == [
+        {"version": 1, "step": 0, "reward_mean": None, "saved_at": None}]
+    r.hset(Keys.run(run_id), mapping={"state": "failed", "step": 3})
+    refused = manager.post(f"/v1/runs/{run_id}/resume")
+    assert refused.status_code == 409 and "all 3 steps" in refused.json()["detail"]
+    for resp in (manager.post("/v1/runs/nope/resume"), manager.get("/v1/runs/nope/checkpoints")):
+        assert resp.status_code == 404 and "nope" in resp.json()["detail"]
 
 
 def test_bearer_token_is_required(manager: httpx.Client) -> None:

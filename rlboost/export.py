@@ -1,0 +1,90 @@
+"""``rlboost export RUN_ID DIR [--version N]``: a run's weights as an HF model directory.
+
+Contract: DIR ends up holding one weight version of the run exactly as the trainer published
+it (``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer files of
+the base model), so ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads it. The
+files come through the weight service (RLBOOST_WEIGHTS_URL, with RLBOOST_WEIGHTS_READ_TOKEN, or
+the write token), every chunk checked against the service's sha256 manifest, into a hidden
+directory beside DIR that is renamed to DIR at the end: DIR appears whole or not at all, and an
+existing non-empty DIR is never touched. Without ``--version``, the newest version the service
+holds: the final one of a finished run, the last trained one of a cancelled or failed run.
+``GET /v1/runs/{id}/checkpoints`` lists the versions the run keeps (``save_every``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import WeightsError
+from shared.weights import MANIFEST_NAME, list_versions, pull_version
+
+# What makes a directory loadable; the rest (tokenizer files) travels when the base has it.
+REQUIRED = ("config.json",)
+
+
+class ExportError(Exception):
+    """The export cannot be done as asked; the message says why (the CLI exits 1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    run_id: str
+    version: int
+    path: Path
+    files: list[str]
+
+
+def _choose(run_id: str, versions: list[int], asked: int | None) -> int:
+    if not versions:
+        raise ExportError(f"the weight service holds no version of run {run_id}")
+    if asked is None:
+        return versions[-1]
+    if asked not in versions:
+        raise ExportError(f"version {asked} of run {run_id} is not in the weight service; it "
+                          f"holds {versions} (GET /v1/runs/{run_id}/checkpoints lists the kept "
+                          "ones)")
+    return asked
+
+
+async def export(weights_url: str, token: str | None, run_id: str, dest: Path,
+                 version: int | None = None, timeout_s: float = 120) -> Exported:
+    """Pull one version of ``run_id`` into ``dest`` (module doc); raises :class:`ExportError`."""
+    dest = dest.resolve()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ExportError(f"{dest} exists and is not an empty directory")
+    try:
+        versions, _ = await list_versions(weights_url, token, run_id)
+        chosen = _choose(run_id, versions, version)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # Beside dest, so the final move is one rename on one file system.
+        scratch = Path(tempfile.mkdtemp(prefix=f".{dest.name}.export-", dir=dest.parent))
+        try:
+            pulled = await pull_version(weights_url, token, run_id, chosen, scratch,
+                                        timeout_s=timeout_s)
+            (pulled / MANIFEST_NAME).unlink(missing_ok=True)
+            files = sorted(p.name for p in pulled.iterdir())
+            missing = [name for name in REQUIRED if name not in files]
+            if missing or not any(name.endswith(".safetensors") for name in files):
+                raise ExportError(f"version {chosen} of run {run_id} is not an HF model "
+                                  f"directory (it holds {files}); an emu run has no weights")
+            if dest.is_dir():
+                dest.rmdir()  # empty (checked above): the rename needs it gone
+            os.replace(pulled, dest)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    except WeightsError as exc:
+        raise ExportError(str(exc)) from exc
+    return Exported(run_id, chosen, dest, files)
+
+
+def run_export(run_id: str, dest: Path, version: int | None) -> Exported:
+    """The CLI's call: the service and token from the environment, as every service reads them."""
+    url = os.environ.get("RLBOOST_WEIGHTS_URL", "http://127.0.0.1:8001")
+    token = os.environ.get("RLBOOST_WEIGHTS_READ_TOKEN") or os.environ.get(
+        "RLBOOST_WEIGHTS_TOKEN") or None
+    return asyncio.run(export(url, token, run_id, dest, version))
