@@ -127,6 +127,11 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True,
     @app.post("/v1/runs", status_code=201,
               openapi_extra=_SPEC_BODY)
     async def create_run(spec: Annotated[RunSpec, Depends(run_spec_body)]) -> dict[str, Any]:
+        responses, cap = spec.prompts_per_step * spec.samples_per_prompt, \
+            service.cfg.max_step_responses
+        if responses > cap:  # a step's responses all live in Redis until it completes
+            raise HTTPException(422, f"prompts_per_step x samples_per_prompt = {responses} "
+                                f"responses per step, over RLBOOST_MAX_STEP_RESPONSES ({cap})")
         run = await service.runs.create(spec)
         service.soft.wake.set()
         return run

@@ -24,9 +24,10 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 
 from manager_svc.accounting import Ledger
+from manager_svc.crash import HANDOFF_FLUSH, HANDOFF_FREE, HANDOFF_REVOKE, CrashPoints
 from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
-from manager_svc.registry import Registry
+from manager_svc.registry import RELEASE_COMMIT_WAIT_S, Registry
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
 from shared import names
@@ -40,6 +41,9 @@ log = logging.getLogger("manager")
 REBALANCE_COOLDOWN_S = 2.0
 ASSIGN_CONCURRENCY = 32  # assignment scripts in flight at once (one Redis connection each)
 REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
+# How long reserved instances get at a hand-off to flush their buffers and hand work back (a
+# release waits up to RELEASE_COMMIT_WAIT_S for its chunks' commits) before it is revoked.
+HANDOFF_FLUSH_S = RELEASE_COMMIT_WAIT_S + 1.0
 
 Instance = dict[str, Any]  # a row of Registry.instances()
 
@@ -54,8 +58,9 @@ class ActiveStep:
 class Dispatcher:
     def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, nc: Nats, ledger: Ledger,
                  runs: RunStore, registry: Registry, ingest: ChunkIngest,
-                 metrics: ManagerMetrics, soft: SoftState) -> None:
+                 metrics: ManagerMetrics, soft: SoftState, crash: CrashPoints) -> None:
         self.cfg = cfg
+        self.crash = crash
         self.redis = redis
         self.nc = nc
         self.ledger = ledger
@@ -86,8 +91,10 @@ class Dispatcher:
             await self.ingest.barrier(step.run_id, step.step)  # all complete: the barrier
             return 0
         ready = await self._eligible(step)  # seeding window, or the hand-off at its end
+        if not ready:
+            return 0  # before reading what may be a big pending set
         pending = await self.redis.smembers(Keys.pending(step.run_id, step.step))
-        if not ready or not pending:
+        if not pending:
             return 0
         sent, left = await self._lease_fairly(step, ready, pending)
         if not left and self.cfg.rebalance_skew:
@@ -157,22 +164,51 @@ class Dispatcher:
     async def _handoff(self, step: ActiveStep, everyone: list[Instance],
                        spot_alive: bool) -> None:
         """End of the seeding window: the reserved side's unfinished responses move to spot
-        instances (token-level, the preemption path) and the reserved side starts training."""
+        instances (token-level, the preemption path) and the reserved side starts training.
+
+        Idempotent by construction, in passes: each write is a mark or a per-response revoke
+        that a re-run repeats harmlessly, and the last one (``reserved_free`` with
+        ``handoff_at``) is what ends it, so a manager killed anywhere in between finishes it
+        on its next pass. First the reserved instances are asked to flush what they buffered
+        and hand their responses back (their releases revoke each once its chunks are
+        committed); after HANDOFF_FLUSH_S what is still held is revoked here."""
         skey = Keys.step(step.run_id, step.step)
-        if not await self.redis.hsetnx(skey, "handoff_at", time.time()):
-            return
         if not spot_alive:
-            return  # nobody to hand to: the reserved side keeps generating, trains after
-        prefix = f"{step.run_id}:{step.step}:"
-        for inst in everyone:
-            if inst["kind"] != "reserved":
-                continue
-            held = [r for r in await self.redis.smembers(Keys.instance_held(inst["id"]))
-                    if r.startswith(prefix)]
-            await self._take_back(inst["id"], held, "handoff")
-        await self.redis.hset(skey, "reserved_free", 1)
+            # Nobody to hand to: the reserved side keeps generating, and trains after.
+            await self.redis.hset(skey, "handoff_at", time.time())
+            return
+        held = await self._reserved_held(step, everyone)
+        flush_at = step.info.get("handoff_flush_at")
+        if flush_at is None:
+            for instance_id, rids in held.items():
+                await self.nc.publish(names.assign_subject(instance_id),
+                                      encode(Revoke(request_ids=rids, flush=True)))
+            await self.redis.hset(skey, "handoff_flush_at", time.time())
+            self.crash.reach(HANDOFF_FLUSH)
+            return
+        if held and time.time() < float(flush_at) + HANDOFF_FLUSH_S:
+            return  # still flushing: a later pass looks again
+        for instance_id, rids in held.items():
+            for rid in rids:
+                await self._take_back(instance_id, [rid], "handoff")
+                self.crash.reach(HANDOFF_REVOKE)
+        self.crash.reach(HANDOFF_FREE)
+        await self.redis.hset(skey, mapping={"reserved_free": 1, "handoff_at": time.time()})
         await self.nc.publish(names.handoff_subject(step.run_id),
                               encode(Handoff(run_id=step.run_id, step=step.step)))
+
+    async def _reserved_held(self, step: ActiveStep, everyone: list[Instance]
+                             ) -> dict[str, list[str]]:
+        """The step's responses each reserved instance holds, for those that hold any."""
+        prefix = f"{step.run_id}:{step.step}:"
+        held = {}
+        for inst in everyone:
+            if inst["kind"] == "reserved":
+                rids = sorted(r for r in await self.redis.smembers(
+                    Keys.instance_held(inst["id"])) if r.startswith(prefix))
+                if rids:
+                    held[inst["id"]] = rids
+        return held
 
     async def _lease_fairly(self, step: ActiveStep, ready: list[Instance], pending: set[str]
                             ) -> tuple[int, bool]:

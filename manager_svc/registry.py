@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from manager_svc.accounting import Ledger
+from manager_svc.crash import HANDOFF_REVOKE, CrashPoints
 from manager_svc.events import InstanceEvents
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
@@ -43,7 +44,7 @@ DEPARTED_TTL_MS = 60_000
 class Registry:
     def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, ledger: Ledger,
                  runs: RunStore, metrics: ManagerMetrics, soft: SoftState,
-                 events: InstanceEvents) -> None:
+                 events: InstanceEvents, crash: CrashPoints) -> None:
         self.cfg = cfg
         self.redis = redis
         self.ledger = ledger
@@ -51,6 +52,7 @@ class Registry:
         self.metrics = metrics
         self.soft = soft
         self.events = events
+        self.crash = crash
         self._register = register(redis, "register.lua")
 
     async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
@@ -100,6 +102,8 @@ class Registry:
             if await self.ledger.revoke(held.request_id, held.epoch):
                 self.metrics.revocations.labels(rel.reason).inc()
                 revoked += 1
+                if rel.reason == "handoff":
+                    self.crash.reach(HANDOFF_REVOKE)
         if rel.held and rel.reason == "preempt":
             await self._count_preemption(revoked)
         if rel.leaving:

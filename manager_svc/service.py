@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from manager_svc.accounting import Ledger
 from manager_svc.callout import AuthCallout
 from manager_svc.chunk_auth import ChunkAuth
+from manager_svc.crash import CrashPoints
 from manager_svc.dispatcher import Dispatcher
 from manager_svc.events import InstanceEvents
 from manager_svc.ingest import ChunkIngest
@@ -115,11 +116,13 @@ class ManagerService:
         cfg, redis, nc, metrics, soft = self.cfg, self.redis, self.nc, self.metrics, self.soft
         self.runs = RunStore(redis)
         self.events = InstanceEvents(redis)
-        self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key)
-        self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft, self.events)
+        crash = CrashPoints(cfg.crash_points, cfg.common.data_dir)
+        self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key, crash)
+        self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft, self.events,
+                                 crash)
         self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth)
         self.dispatcher = Dispatcher(cfg, redis, nc, self.ledger, self.runs, self.registry,
-                                     self.ingest, metrics, soft)
+                                     self.ingest, metrics, soft, crash)
         self.trainer = TrainerApi(redis, self.ledger, self.runs, self.registry, metrics, soft)
 
     async def stop(self) -> None:

@@ -9,6 +9,7 @@ measurements, which the step's report adds to.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -53,6 +54,8 @@ class TrainerApi:
         self.registry = registry
         self.metrics = metrics
         self.soft = soft
+        # Step creations in progress (soft state: a restarted manager's retry redoes one).
+        self._creating: dict[tuple[str, int], asyncio.Future[bool]] = {}
 
     async def on_poll(self, poll: TrainerPoll) -> ActiveRun:
         run_id = await self.runs.active()
@@ -79,17 +82,24 @@ class TrainerApi:
             window = next_window(seeding, spot_alive)
         else:
             window = spec.seeding.window_s if mode == "fixed" else 0.0
-        created = await self.ledger.create_step(
-            msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
-            spec.samples_per_prompt, spec.max_new_tokens,
-            extra={"eos": msg.eos_token_id, "vocab": msg.vocab_size, "mode": mode,
-                   "window_s": window,
-                   # Seeding off and spot capacity present: the reserved side only trains.
-                   "reserved_free": int(mode == "off" and spot_alive > 0)},
-        )
+        seeding.window_s, seeding.spot_count = window, spot_alive
+        key = (msg.run_id, msg.step)
+        if key not in self._creating:  # a retry while the first call still writes joins it
+            self._creating[key] = asyncio.ensure_future(self.ledger.create_step(
+                msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
+                spec.samples_per_prompt, spec.max_new_tokens,
+                extra={"eos": msg.eos_token_id, "vocab": msg.vocab_size, "mode": mode,
+                       "window_s": window,
+                       # Seeding off and spot capacity present: the reserved side only trains.
+                       "reserved_free": int(mode == "off" and spot_alive > 0)},
+                seeding=seeding.dump()))
+        creating = self._creating[key]
+        try:
+            created = await asyncio.shield(creating)
+        finally:
+            if creating.done() and self._creating.get(key) is creating:
+                del self._creating[key]
         if created:
-            seeding.window_s, seeding.spot_count = window, spot_alive
-            await self.redis.hset(Keys.seeding(msg.run_id), mapping=seeding.dump())
             log.info("step %d of %s started (seeding %s, window %.2fs, %d spot)", msg.step,
                      msg.run_id, mode, window, spot_alive)
         self.soft.wake.set()

@@ -80,6 +80,7 @@ class InFlight:
     buffer: list[int] = field(default_factory=list)
     final: bool = False
     finish_reason: str | None = None
+    frozen: bool = False  # being handed back: generation stopped, only its buffer goes out
 
 
 class RolloutService:
@@ -95,6 +96,9 @@ class RolloutService:
         self._loading: asyncio.Task[None] | None = None
         self._target: tuple[str, int] | None = None  # what the manager last asked for
         self._wake = asyncio.Event()
+        # Held while chunks go out: a hand-back publishes a buffer only once no other publish
+        # of it is in flight, so a response's chunks and its offset stay in step.
+        self._publishing = asyncio.Lock()
         self._beat = asyncio.Event()  # set to send a heartbeat now rather than on the period
         self._stop = asyncio.Event()
         self._reason: str = "shutdown"
@@ -264,6 +268,9 @@ class RolloutService:
         except ProtocolError as exc:
             log.warning("dropped %s", exc)
             return
+        if isinstance(command, Revoke) and command.flush:
+            await self._hand_back(command.request_ids)
+            return
         if isinstance(command, Revoke):
             for rid in command.request_ids:
                 if self.inflight.pop(rid, None) is not None:
@@ -286,6 +293,32 @@ class RolloutService:
             self.metrics.assigned.inc()
         self._wake.set()
 
+    async def _hand_back(self, rids: list[str]) -> None:
+        """The seeding window is over: publish what is buffered for ``rids``, then hand them
+        back (a release that the manager answers once those chunks are committed), so the next
+        owner resumes after every token generated here, not after the last full chunk."""
+        items = {rid: item for rid in rids if (item := self.inflight.get(rid)) is not None}
+        for rid, item in items.items():
+            item.frozen = True  # the generate loop adds nothing to it from now on
+            self.engine.abort(rid)
+        held = []
+        async with self._publishing:
+            for rid, item in items.items():
+                if (item.buffer or item.final) and not await self._publish(rid, item, item.final):
+                    continue  # dropped: the manager takes it back from its last commit
+                if not item.final:
+                    held.append(Held(request_id=rid, epoch=item.assignment.epoch,
+                                     published=item.offset))
+        if held:
+            with contextlib.suppress(RlboostError):
+                await request(self.nc, names.release_subject(self.cfg.instance_id), Release(
+                    instance_id=self.cfg.instance_id, held=held, leaving=False,
+                    reason="handoff", session=self.session), Ack, 5.0)
+        for h in held:  # reported (and renewed) by heartbeats until the manager took them
+            if self.inflight.pop(h.request_id, None) is not None:
+                self.metrics.revoked.inc()
+        log.info("handed back %d responses at the end of the seeding window", len(held))
+
     @staticmethod
     def _request(a: Assignment) -> GenRequest:
         return GenRequest(
@@ -306,21 +339,22 @@ class RolloutService:
             self.metrics.tokens.inc(len(events))
             for ev in events:
                 item = self.inflight.get(ev.request_id)
-                if item is None:
-                    continue  # revoked while the step ran
+                if item is None or item.frozen:
+                    continue  # revoked (or being handed back) while the step ran
                 # An engine re-reports the last committed token of a response that was already
                 # complete on arrival; only a token at the next position is new.
                 if ev.position == item.offset + len(item.buffer):
                     item.buffer.append(ev.token_id)
                 if ev.finished:
                     item.final, item.finish_reason = True, ev.finish_reason
-            due = [(rid, item) for rid, item in self.inflight.items()
-                   if item.final or len(item.buffer) >= self.cfg.chunk_tokens]
+            due = [(rid, item) for rid, item in self.inflight.items() if not item.frozen
+                   and (item.final or len(item.buffer) >= self.cfg.chunk_tokens)]
             # All at once: one broker round trip per step instead of one per chunk, which on a
             # WAN link to the reserved side would stall generation for most of each step. A
             # response still has at most one chunk in flight, so its chunks stay in order.
-            await asyncio.gather(*(self._publish(rid, item, final=item.final)
-                                   for rid, item in due))
+            async with self._publishing:
+                await asyncio.gather(*(self._publish(rid, item, final=item.final)
+                                       for rid, item in due))
 
     async def _publish(self, rid: str, item: InFlight, final: bool) -> bool:
         a = item.assignment

@@ -132,6 +132,14 @@ class ManagerConfig(Settings):
         "the callout (NATS_ROLLOUT_PASSWORD); required with the issuer seed")
     max_body_bytes: int = setting(
         "RLBOOST_MAX_BODY_BYTES", 1 << 20, "a larger REST request body is refused with 413", ge=1)
+    max_step_responses: int = setting(
+        "RLBOOST_MAX_STEP_RESPONSES", 131_072, "a run spec with more responses per step "
+        "(prompts_per_step x samples_per_prompt) is refused with 422", ge=1)
+    # A test hook, never set in production: fault tests place a manager crash inside one
+    # multi-key change (step creation, the seeding hand-off) to show it completes on restart.
+    crash_points: str = setting(
+        "RLBOOST_CRASH_POINTS", "", "test hook: comma-separated points where the manager "
+        "SIGKILLs itself, each once per data dir (unset in production)")
 
     @model_validator(mode="after")
     def _callout(self) -> Self:

@@ -135,9 +135,12 @@ class Assign(Msg):
 
 
 class Revoke(Msg):
-    """Stop generating these now (load balancing moved them); their leases are already gone."""
+    """Stop generating these now (load balancing moved them); their leases are already gone.
+    With ``flush`` (the seeding hand-off) the leases still hold: publish what is buffered for
+    them first, then hand them back with a Release (reason ``handoff``)."""
 
     request_ids: list[str]
+    flush: bool = False
 
 
 
@@ -146,7 +149,7 @@ class Release(Msg):
     instance_id: InstanceId  # must equal its subject's last token
     held: list[Held]  # responses handed back (preemption notice or clean exit)
     leaving: bool = True  # the instance deregisters after this
-    reason: Literal["preempt", "shutdown", "abort"] = "shutdown"
+    reason: Literal["preempt", "shutdown", "abort", "handoff"] = "shutdown"
     session: str = ""  # the leaving process's Heartbeat.session
 
 
