@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from manager_svc.events import PAGE_MAX
 from manager_svc.live import run_stream
-from manager_svc.runs import RunConflict
+from manager_svc.runs import QueueFull, RunConflict
 from manager_svc.service import ManagerService
 from shared.errors import ProtocolError
 from shared.http_guard import INFO_PATHS, Access, Guard, document, info_open
@@ -41,6 +41,7 @@ log = logging.getLogger("manager.api")
 # The run spec's JSON schema, from the struct itself, for the OpenAPI document.
 _SPEC_REFS, _SPEC_SCHEMAS = msgspec.json.schema_components(
     [RunSpec], ref_template="#/components/schemas/{name}")
+RUNS_PAGE_MAX = 1000  # runs per page of GET /v1/runs
 _SPEC_BODY = {"requestBody": {"required": False, "content": {
     "application/json": {"schema": _SPEC_REFS[0]}}}}
 
@@ -132,13 +133,25 @@ def create_app(service: ManagerService, manage_lifecycle: bool = True,
         if responses > cap:  # a step's responses all live in Redis until it completes
             raise HTTPException(422, f"prompts_per_step x samples_per_prompt = {responses} "
                                 f"responses per step, over RLBOOST_MAX_STEP_RESPONSES ({cap})")
-        run = await service.runs.create(spec)
+        try:
+            run = await service.runs.create(spec)
+        except QueueFull as exc:
+            raise HTTPException(429, str(exc)) from exc
         service.soft.wake.set()
         return run
 
     @app.get("/v1/runs")
-    async def list_runs() -> list[dict[str, Any]]:
-        return await service.runs.list_runs()
+    async def list_runs(response: Response,
+                        limit: Annotated[int, Query(ge=1, le=RUNS_PAGE_MAX)] = 100,
+                        cursor: Annotated[float | None, Query(
+                            description="the X-Next-Cursor header of the previous page")] = None,
+                        ) -> list[dict[str, Any]]:
+        """Runs, newest first, ``limit`` per page; a next page's cursor comes in the
+        ``X-Next-Cursor`` header (absent on the last page)."""
+        runs, after = await service.runs.list_runs(limit, cursor)
+        if after is not None:
+            response.headers["X-Next-Cursor"] = repr(after)
+        return runs
 
     @app.get("/v1/runs/{run_id}")
     async def get_run(run_id: str) -> dict[str, Any]:
@@ -249,6 +262,8 @@ def _errors(method: str, path: str) -> set[int]:
     if "{run_id}" in path:
         codes |= {404, 422}
     if method == "POST" and path == "/v1/runs":
+        codes |= {422, 429}
+    if method == "GET" and path == "/v1/runs":
         codes |= {422}
     if path.endswith("/resume"):
         codes |= {409}

@@ -9,8 +9,9 @@ a heartbeat expired. Join and version come from one script (``lua/observe.lua``)
 change is recorded once however beats interleave. Stream ids are Redis's clock in ms, so an
 event's time is its id; :meth:`InstanceEvents.read` pages by id. The stream is capped at
 :data:`MAX_EVENTS` (trimmed approximately, oldest first): 1,000 steps of 100 instances each
-loading every version fit. Events are for people (the dashboard's timeline); nothing in the
-control plane reads them back.
+loading every version fit. When an ended run's stream expires, :meth:`InstanceEvents.read`
+pages the same events from its archive (:mod:`manager_svc.archive`). Events are for people
+(the dashboard's timeline); nothing in the control plane reads them back.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from manager_svc.archive import Archive
 from manager_svc.scripts import register
 from shared.names import Keys
 
@@ -35,8 +37,9 @@ def _event(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
 
 
 class InstanceEvents:
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, archive: Archive) -> None:
         self.redis = redis
+        self.archive = archive  # an ended run's events, once its stream expired
         self._observe = register(redis, "observe.lua")
 
     async def observe(self, run_id: str, instance_id: str, session: str, kind: str,
@@ -65,6 +68,17 @@ class InstanceEvents:
                    limit: int = PAGE_MAX) -> list[dict[str, Any]]:
         """Events after the id ``after`` (from the first without it), oldest first."""
         start = f"({after}" if after else "-"
-        rows = await self.redis.xrange(Keys.events(run_id), min=start, max="+",
-                                       count=max(1, min(limit, PAGE_MAX)))
+        count = max(1, min(limit, PAGE_MAX))
+        rows = await self.redis.xrange(Keys.events(run_id), min=start, max="+", count=count)
+        if not rows and not await self.redis.exists(Keys.events(run_id)):
+            archived = await self.archive.run(run_id)
+            seen = _id_key(after) if after else (-1, -1)
+            rows = [(entry_id, fields) for entry_id, fields in (archived or {}).get("events", [])
+                    if _id_key(entry_id) > seen][:count]
         return [_event(entry_id, fields) for entry_id, fields in rows]
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    """A stream id as the (ms, sequence) pair Redis orders them by."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -5,7 +5,9 @@ it; :meth:`RunStore.spec` gives the manager's parts that spec typed, while :meth
 serves the record, spec included, as the JSON the REST API returns. A run is created
 ``queued``, becomes ``running`` when the manager activates it (one at a time, FIFO), and ends
 ``succeeded``, ``failed`` or ``cancelled``. Its record, its finished steps and the samples each
-step trained on are Redis data, so a restarted manager serves them unchanged.
+step trained on are Redis data, so a restarted manager serves them unchanged; each finished
+step is archived in the data dir too (:mod:`manager_svc.archive`), and once the run ends its
+keys expire after the retention time and the archive serves it. A resumed run keeps its keys.
 :meth:`RunStore.target` is what every instance should serve now (the running run at its current
 step); the step records it serves carry their fault counters read live.
 """
@@ -20,6 +22,7 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
+from manager_svc.archive import Archive
 from manager_svc.scripts import register
 from shared.errors import RlboostError
 from shared.names import Keys
@@ -32,6 +35,11 @@ LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_
                  "stale_chunks_rejected", "tokens_regenerated", "forged_chunks_rejected",
                  "invalid_chunks_dropped")
 WARNINGS_MAX = 50  # warnings kept per run
+DROP_BATCH = 1024  # keys per DEL when a finished step leaves Redis
+
+
+class QueueFull(Exception):
+    """More runs are queued than RLBOOST_MAX_QUEUED_RUNS allows."""
 
 
 class RunConflict(RlboostError):
@@ -39,8 +47,12 @@ class RunConflict(RlboostError):
 
 
 class RunStore:
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, archive: Archive, retention_s: float = 86_400.0,
+                 max_queued: int = 1_000_000) -> None:
         self.r = redis
+        self.archive = archive
+        self.retention_ms = max(1, int(retention_s * 1000))
+        self.max_queued = max_queued
         self._activate = register(redis, "activate.lua")
 
     async def create(self, spec: RunSpec) -> dict[str, Any]:
@@ -49,6 +61,11 @@ class RunStore:
         record = {"id": run_id, "state": "queued", "step": 0, "steps": spec.steps,
                   "spec": encode(spec).decode(), "created_at": now, "updated_at": now,
                   "error": ""}
+        # The queue holds queued runs only (a cancel takes its run out), so its length is the
+        # count; two creations racing past the check queue one run over the limit at most.
+        if await self.r.llen(Keys.queue) >= self.max_queued:
+            raise QueueFull(f"{self.max_queued} runs are queued already "
+                            "(RLBOOST_MAX_QUEUED_RUNS); retry when one has started")
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(Keys.run(run_id), mapping=record)
         pipe.zadd(Keys.runs, {run_id: now})
@@ -59,7 +76,8 @@ class RunStore:
     async def get(self, run_id: str) -> dict[str, Any] | None:
         raw = await self.r.hgetall(Keys.run(run_id))
         if not raw:
-            return None
+            archived = await self.archive.run(run_id)  # its keys expired: the archive's copy
+            return None if archived is None else dict(archived["run"])
         return {
             "id": raw["id"], "state": raw["state"], "step": int(raw["step"]),
             "steps": int(raw["steps"]), "spec": json.loads(raw["spec"]),
@@ -72,14 +90,22 @@ class RunStore:
         raw = await self.r.hget(Keys.run(run_id), "spec")
         return None if raw is None else decode(raw.encode(), RunSpec)
 
-    async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
-        ids = await self.r.zrevrange(Keys.runs, 0, limit - 1)
-        runs = [await self.get(i) for i in ids]
-        return [r for r in runs if r]
+    async def list_runs(self, limit: int = 100, before: float | None = None
+                        ) -> tuple[list[dict[str, Any]], float | None]:
+        """The newest ``limit`` runs created before ``before`` (a cursor: the creation time of
+        the last run of the previous page), newest first, and the next page's cursor (None:
+        this was the last page)."""
+        top = "+inf" if before is None else f"({before!r}"
+        rows = await self.r.zrevrangebyscore(Keys.runs, top, "-inf", start=0, num=limit + 1,
+                                             withscores=True)
+        runs = [await self.get(i) for i, _ in rows[:limit]]
+        return [r for r in runs if r], (rows[limit - 1][1] if len(rows) > limit else None)
 
     async def set_state(self, run_id: str, state: RunState, error: str = "") -> None:
         await self.r.hset(Keys.run(run_id), mapping={"state": state, "updated_at": time.time(),
                                                      "error": error})
+        if state in TERMINAL:
+            await self.retire(run_id)
 
     async def active(self) -> str | None:
         """The running run, activating the next queued one if none is running.
@@ -105,9 +131,10 @@ class RunStore:
         if run is None:
             return None
         if run["state"] in ("queued", "running"):
-            await self.set_state(run_id, "cancelled")
+            await self.r.lrem(Keys.queue, 0, run_id)
             if await self.r.get(Keys.active) == run_id:
                 await self.r.delete(Keys.active)
+            await self.set_state(run_id, "cancelled")
         return await self.get(run_id)
 
     async def resume(self, run_id: str) -> dict[str, Any] | None:
@@ -121,6 +148,9 @@ class RunStore:
         concurrent resumes queue it once.
         """
         key = Keys.run(run_id)
+        # Retiring it set its keys to expire; the resumed run keeps them (read before the
+        # watch: an ended run's keys do not change).
+        kept = await self._keys(run_id, int(await self.r.hget(key, "step") or 0))
         async with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -140,6 +170,9 @@ class RunStore:
                     pipe.hset(key, mapping={"state": "queued", "error": "",
                                             "updated_at": time.time()})
                     pipe.rpush(Keys.queue, run_id)
+                    for k in (key, *kept):
+                        pipe.persist(k)
+                    pipe.hdel(key, "retired")
                     await pipe.execute()
                     break
                 except WatchError:
@@ -151,10 +184,18 @@ class RunStore:
         checkpoints: list[int] | None = None,
     ) -> None:
         """Record step ``step`` and advance the run; the run succeeds after its last step.
-        ``checkpoints``: the versions the trainer keeps for the user after this step."""
+        ``checkpoints``: the versions the trainer keeps for the user after this step.
+
+        The step goes to the archive first, then to Redis in one transaction: a retry after a
+        crash between the two writes the archive again with the retry's record, the one Redis
+        then keeps. The step before it is then dropped from Redis (its archive serves it): a
+        run holds the responses of its active step and the last finished one, whatever its
+        length. A late chunk for a dropped response is refused as unknown."""
+        text = json.dumps(record)
+        await self.archive.write_step(run_id, step, text, samples_json)
         pipe = self.r.pipeline(transaction=True)
         pipe.set(Keys.samples(run_id, step), samples_json)
-        pipe.rpush(Keys.step_records(run_id), json.dumps(record))
+        pipe.rpush(Keys.step_records(run_id), text)
         pipe.hset(Keys.run(run_id), mapping={"step": step + 1, "updated_at": time.time()})
         if checkpoints is not None:
             pipe.hset(Keys.run(run_id), "checkpoints", json.dumps(checkpoints))
@@ -162,16 +203,79 @@ class RunStore:
             pipe.hset(Keys.run(run_id), "state", "succeeded")
             pipe.delete(Keys.active)
         await pipe.execute()
+        if step > 0:
+            await self._drop_step(run_id, step - 1)
+        if step + 1 >= steps:
+            await self.retire(run_id)
+
+    async def _drop_step(self, run_id: str, step: int) -> None:
+        """Delete a finished, archived step's responses and samples (its hash stays until
+        the run retires: it is small, and its fault counters may still move)."""
+        sets = [Keys.done(run_id, step), Keys.pending(run_id, step), Keys.leased(run_id, step)]
+        pipe = self.r.pipeline(transaction=False)
+        for key in sets:
+            pipe.smembers(key)
+        rids = sorted(set().union(*await pipe.execute()))
+        for i in range(0, len(rids), DROP_BATCH):
+            await self.r.delete(*[Keys.request(r) for r in rids[i:i + DROP_BATCH]])
+        await self.r.delete(Keys.samples(run_id, step), *sets)
+
+    async def retire(self, run_id: str) -> None:
+        """An ended run: archive what Redis still holds of it (its record, step records with
+        their final counters, warnings, events), then let every key of it expire after the
+        retention time. Re-run harmlessly after a crash (the startup sweep does)."""
+        raw = await self.r.hgetall(Keys.run(run_id))
+        run = await self.get(run_id)
+        if not raw or run is None:
+            return
+        events = await self.r.xrange(Keys.events(run_id))
+        await self.archive.write_run(run_id, {
+            "run": run, "records": await self.step_records(run_id),
+            "warnings": await self.warnings(run_id),
+            "checkpoints": json.loads(raw.get("checkpoints") or "[]"),
+            "events": [[entry_id, fields] for entry_id, fields in events]})
+        pipe = self.r.pipeline(transaction=True)
+        for key in await self._keys(run_id, int(raw["step"])):
+            pipe.pexpire(key, self.retention_ms)
+        pipe.hset(Keys.run(run_id), "retired", 1)
+        pipe.pexpire(Keys.run(run_id), self.retention_ms)
+        await pipe.execute()
+
+    async def _keys(self, run_id: str, step: int) -> list[str]:
+        """Every key of the run but its hash, for steps up to ``step`` (leases are left to
+        their own short TTL)."""
+        keys = [Keys.step_records(run_id), Keys.run_warnings(run_id), Keys.events(run_id),
+                Keys.run_instances(run_id), Keys.seeding(run_id)]
+        for n in range(step + 1):  # the current step too, if the run ended inside it
+            sets = [Keys.done(run_id, n), Keys.pending(run_id, n), Keys.leased(run_id, n)]
+            pipe = self.r.pipeline(transaction=False)
+            for key in sets:
+                pipe.smembers(key)
+            keys += [Keys.request(rid) for rid in set().union(*await pipe.execute())]
+            keys += [Keys.step(run_id, n), Keys.samples(run_id, n), *sets]
+        return keys
+
+    async def sweep(self, recent: int = 1000) -> None:
+        """Retire the ended runs a killed manager never retired (among the newest)."""
+        for run_id in await self.r.zrevrange(Keys.runs, 0, recent - 1):
+            state, retired = await self.r.hmget(Keys.run(run_id), ["state", "retired"])
+            if state in TERMINAL and not retired:
+                await self.retire(run_id)
 
     async def checkpoints(self, run_id: str) -> list[dict[str, Any]] | None:
         """The versions kept for the user, oldest first, each with the step that made it
         (version v holds the weights after step v - 1); None for an unknown run."""
         raw = await self.r.hmget(Keys.run(run_id), ["id", "checkpoints"])
-        if raw[0] is None:
-            return None
+        if raw[0] is not None:
+            versions = json.loads(raw[1] or "[]")
+        else:  # expired: the archive's (and its step records come from there too)
+            archived = await self.archive.run(run_id)
+            if archived is None:
+                return None
+            versions = archived.get("checkpoints", [])
         found = []
-        for version in json.loads(raw[1] or "[]"):
-            [record] = await self.steps(run_id, version - 1, version - 1) or [{}]
+        for version in versions:
+            [record] = await self.step_records(run_id, version - 1, version - 1) or [{}]
             found.append({"version": version, "step": version - 1,
                           "reward_mean": record.get("reward_mean"),
                           "saved_at": record.get("finished_at")})
@@ -181,11 +285,24 @@ class RunStore:
         return [json.loads(x)
                 for x in await self.r.lrange(Keys.step_records(run_id), start, end)]
 
+    async def _archived_records(self, run_id: str, start: int, end: int
+                                ) -> list[dict[str, Any]] | None:
+        archived = None if await self.r.exists(Keys.step_records(run_id)) else \
+            await self.archive.run(run_id)
+        if archived is None:
+            return None
+        records: list[dict[str, Any]] = archived["records"]
+        return records[start:None if end == -1 else end + 1]
+
     async def step_records(self, run_id: str, start: int = 0,
                            end: int = -1) -> list[dict[str, Any]]:
         """Finished-step records ``start..end`` (inclusive, -1 = the last) with their fault
         counters read live: a zombie that wakes after its step finished still has its
-        rejected chunks counted against that step."""
+        rejected chunks counted against that step. After the run's keys expired, the
+        archive's records, with the counters as they were when the run ended."""
+        archived = await self._archived_records(run_id, start, end)
+        if archived is not None:
+            return archived
         records = await self.steps(run_id, start, end)
         pipe = self.r.pipeline(transaction=False)
         for rec in records:
@@ -206,7 +323,11 @@ class RunStore:
             await pipe.execute()
 
     async def warnings(self, run_id: str) -> list[str]:
-        return list(await self.r.lrange(Keys.run_warnings(run_id), 0, -1))
+        found = list(await self.r.lrange(Keys.run_warnings(run_id), 0, -1))
+        if found or await self.r.exists(Keys.run(run_id)):
+            return found
+        archived = await self.archive.run(run_id)
+        return list(archived["warnings"]) if archived else []
 
     async def step_progress(self, run_id: str, step: int) -> dict[str, Any]:
         info = await self.r.hgetall(Keys.step(run_id, step))
@@ -219,4 +340,7 @@ class RunStore:
 
     async def samples(self, run_id: str, step: int) -> list[dict[str, Any]] | None:
         raw = await self.r.get(Keys.samples(run_id, step))
+        if raw is None:
+            archived = await self.archive.step(run_id, step)
+            raw = None if archived is None else archived["samples"]
         return None if raw is None else list(json.loads(raw))

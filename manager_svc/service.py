@@ -28,6 +28,7 @@ from nats.aio.msg import Msg as NatsMsg
 from redis.exceptions import RedisError
 
 from manager_svc.accounting import Ledger
+from manager_svc.archive import Archive
 from manager_svc.callout import AuthCallout
 from manager_svc.chunk_auth import ChunkAuth
 from manager_svc.crash import CrashPoints
@@ -94,6 +95,7 @@ class ManagerService:
         if seed is not None and password is not None:
             await AuthCallout(self.nc, self.redis, seed, password, self.metrics).start()
         await ensure_chunk_stream(self.nc.jetstream())
+        await self.runs.sweep()  # runs that ended as a manager died: archive, expire
         await self._serve(names.HEARTBEAT_ANY, Heartbeat, self.registry.on_heartbeat,
                           key=lambda hb: hb.instance_id, owner=lambda hb: hb.instance_id)
         await self._serve(names.RELEASE_ANY, Release, self.registry.on_release,
@@ -114,8 +116,9 @@ class ManagerService:
     def _wire(self) -> None:
         """The parts, each given what it uses; none reaches another except through these."""
         cfg, redis, nc, metrics, soft = self.cfg, self.redis, self.nc, self.metrics, self.soft
-        self.runs = RunStore(redis)
-        self.events = InstanceEvents(redis)
+        archive = Archive(cfg.common.data_dir)
+        self.runs = RunStore(redis, archive, cfg.retention_s, cfg.max_queued_runs)
+        self.events = InstanceEvents(redis, archive)
         crash = CrashPoints(cfg.crash_points, cfg.common.data_dir)
         self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key, crash)
         self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft, self.events,

@@ -135,6 +135,12 @@ class ManagerConfig(Settings):
     max_step_responses: int = setting(
         "RLBOOST_MAX_STEP_RESPONSES", 131_072, "a run spec with more responses per step "
         "(prompts_per_step x samples_per_prompt) is refused with 422", ge=1)
+    retention_s: float = setting(
+        "RLBOOST_RETENTION_S", 86_400.0, "a finished run's Redis keys expire this long after it "
+        "ends; its archive in the data dir stays", ge=0)
+    max_queued_runs: int = setting(
+        "RLBOOST_MAX_QUEUED_RUNS", 100, "POST /v1/runs past this many queued runs is refused "
+        "with 429", ge=1)
     # A test hook, never set in production: fault tests place a manager crash inside one
     # multi-key change (step creation, the seeding hand-off) to show it completes on restart.
     crash_points: str = setting(

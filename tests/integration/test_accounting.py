@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -134,13 +135,14 @@ async def test_heartbeat_renews_only_leases_it_owns(ledger: Ledger) -> None:
     assert await ledger.r.hget(Keys.request(mine), "seen") == "3"
 
 
-async def test_concurrent_activation_never_loses_the_run(brokers: Stack) -> None:
+async def test_concurrent_activation_never_loses_the_run(brokers: Stack, tmp_path: Path) -> None:
     """Handlers ask for the active run concurrently; exactly one run becomes active and stays."""
+    from manager_svc.archive import Archive
     from manager_svc.runs import RunSpec, RunStore
 
     redis = await connect_redis(brokers.redis.url)
     await redis.flushdb()
-    store = RunStore(redis)
+    store = RunStore(redis, Archive(tmp_path))
     first = await store.create(RunSpec(steps=1))
     second = await store.create(RunSpec(steps=1))
     for _ in range(20):
