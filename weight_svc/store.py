@@ -3,7 +3,9 @@
 Layout under ``<RLBOOST_DATA_DIR>/weights``::
 
     <run_id>/<version>/manifest.json + files    a published version, complete by construction
-    <run_id>/.staging-<version>/<name>          uploaded files waiting for the commit
+    <run_id>/.staging-<version>/<name>          uploaded files waiting for the commit (removed
+                                                once they cannot be: refused, or not newer
+                                                than the newest published version)
     <run_id>/.staging-<version>/.up-<name>-<x>  a file still being received (never committed)
     <run_id>/.pins/<version>                    a pin: the version is never collected
     <run_id>/.trash-<version>-<x>               a version being collected (invisible already)
@@ -223,6 +225,8 @@ class Store:
                 (f["name"], f["sha256"]) for f in manifest["files"]
             ]
             if not same:
+                # Refused for good: its files can never be published, so they go now.
+                shutil.rmtree(staging, ignore_errors=True)
                 raise StoreError(409, f"{run_id}/{version} is published with different content")
             shutil.rmtree(staging, ignore_errors=True)
             return existing, False
@@ -264,7 +268,25 @@ class Store:
             trash = self._run(run_id) / f".trash-{v}-{uuid.uuid4().hex[:8]}"
             os.rename(self._version(run_id, v), trash)  # invisible at once, then deleted
             shutil.rmtree(trash, ignore_errors=True)
+        self.collect_staging(run_id)
         return gone
+
+    def collect_staging(self, run_id: str) -> list[int]:
+        """Remove staged files that can never be published: those of a version not newer
+        than the newest published one (the trainer publishes versions in order, so an older
+        one was abandoned, by a trainer that failed or restarted mid-upload, and one already
+        published is a retried commit's leftover). Returns their versions."""
+        versions = self.versions(run_id)
+        if not versions:
+            return []
+        gone = []
+        for p in self._run(run_id).iterdir():
+            number = p.name.removeprefix(".staging-")
+            if p.name.startswith(".staging-") and number.isdigit() and \
+                    int(number) <= versions[-1] and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(int(number))
+        return sorted(gone)
 
     def sweep(self) -> None:
         """At start-up: finish interrupted collections and drop cut-off uploads (none can be
@@ -277,3 +299,4 @@ class Store:
                     for f in p.iterdir():
                         if f.name.startswith(".up-"):
                             f.unlink(missing_ok=True)
+            self.collect_staging(run)
