@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import msgspec
@@ -25,6 +26,7 @@ from manager_svc.soft_state import SoftState
 from shared.names import Keys
 from shared.protocol import (
     MESSAGE_BUDGET,
+    STEP_STATS,
     Ack,
     ActiveRun,
     Digest,
@@ -176,6 +178,8 @@ class TrainerApi:
             "tokens_spot": int(info.get("tokens_spot", 0)), "loss": fin.loss,
             "instances": len(await self.registry.instances()),
             **{k: int(info.get(k, 0)) for k in LIVE_COUNTERS},
+            # The trainer's statistics: only known names, never over a field of the above.
+            **{k: v for k, v in fin.stats.items() if k in STEP_STATS and math.isfinite(v)},
         }
         await self.runs.finish_step(fin.run_id, fin.step, record,
                                     msgspec.json.encode(samples).decode(), run["steps"],

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from shared.algorithm import AlgorithmConfig, AlgorithmConfigError
 from shared.errors import ProtocolError
 from shared.names import INSTANCE_ID_MAX, INSTANCE_ID_PATTERN, REQUEST_ID_PATTERN
 
@@ -52,7 +53,9 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # "tiny" (the embedded model), an emu preset, or a path to an HF model directory
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] = "tiny"
     task: Literal["arith-seq"] = "arith-seq"
-    algorithm: Literal["grpo"] = "grpo"
+    # The RL objective (shared.algorithm); each knob below left out takes its paper default.
+    algorithm: Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp",
+                       "reinforce_pp_baseline", "gspo"] = "grpo"
     # Defaults: the embedded task's tuned run (trainer_svc.selfcheck measures them: 40 steps of
     # 16 x 8 lift the last-5 mean reward 0.21-0.30 above the first-5 on seeds 0-5).
     steps: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 40
@@ -73,6 +76,40 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # Experiment trackers the trainer logs every step record to, offline, under the data dir.
     trackers: Annotated[list[Tracker], msgspec.Meta(max_length=3)] = msgspec.field(
         default_factory=list)
+    # --- algorithm knobs: None = the algorithm's default (AlgorithmConfig.for_run) ---
+    clip_ratio_low: float | None = None  # ratio clipped below at 1 - this
+    clip_ratio_high: float | None = None  # and above at 1 + this (DAPO's clip-higher)
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                      "seq_mean_token_sum_norm"] | None = None  # per-token losses -> step loss
+    kl_coef: float | None = None  # KL(pi || initial policy) loss weight; > 0 loads a reference
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    entropy_coef: float | None = None  # entropy bonus weight
+    overlong_buffer: int | None = None  # DAPO: tokens before max_new_tokens where a penalty ramps
+    updates_per_step: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None  # passes per step
+    minibatches: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None  # steps per pass
+    dynamic_sampling: bool | None = None  # DAPO: train only on groups whose rewards differ
+
+    def __post_init__(self) -> None:
+        # A ValueError here is a validation error to msgspec's decoder: a bad combination of
+        # knobs is a 422 at the REST boundary, like any other bad field.
+        self.algorithm_config()
+
+    def algorithm_config(self) -> AlgorithmConfig:
+        """The objective this run trains with: knobs, paper defaults scaled to the run."""
+        if self.dynamic_sampling:
+            raise AlgorithmConfigError(
+                "dynamic_sampling", "is not available yet: the manager cannot yet replace "
+                "groups whose rewards are all equal (DAPO runs without it by default)")
+        cfg = AlgorithmConfig.for_run(
+            {name: getattr(self, name) for name in _ALGORITHM_FIELDS},
+            max_new_tokens=self.max_new_tokens, groups_per_step=self.prompts_per_step)
+        # DAPO's paper default; until the manager can generate replacement groups it is off.
+        return cfg.with_(dynamic_sampling=False) if cfg.dynamic_sampling else cfg
+
+
+_ALGORITHM_FIELDS = ("algorithm", "clip_ratio_low", "clip_ratio_high", "loss_agg", "kl_coef",
+                     "kl_estimator", "entropy_coef", "overlong_buffer", "updates_per_step",
+                     "minibatches", "dynamic_sampling")
 
 
 # --- rollout instance <-> manager -------------------------------------------------------------
@@ -268,6 +305,16 @@ class StepFinish(Msg):
     trainer_idle_s: float = 0.0
     publish_s: float = 0.0  # of train_s: uploading the new version to the weight service
     checkpoints: list[int] = []  # versions kept for the user after this step (save_every)
+    stats: dict[str, float] = {}  # training statistics, names from STEP_STATS
+
+
+# What a StepFinish's stats may hold; the manager copies these, and only these, into the step
+# record (trainer_svc.algorithms.stats says what each means).
+STEP_STATS = frozenset({
+    "kl", "entropy", "clip_fraction", "grad_norm", "advantage_mean", "advantage_std",
+    "response_len_mean", "response_len_max", "truncated_fraction", "streamed_fraction",
+    "optimizer_steps",
+})
 
 
 class StepRecordQuery(Msg):

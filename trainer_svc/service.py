@@ -34,6 +34,7 @@ from shared.errors import RlboostError
 from shared.metrics import serve_metrics
 from shared.process import cancel_and_wait
 from shared.protocol import (
+    STEP_STATS,
     Digest,
     RunSpec,
     Sample,
@@ -50,6 +51,7 @@ from trainer_svc.manager_client import ManagerClient
 from trainer_svc.policies import Policy, make_policy
 from trainer_svc.saved import keep_saved
 from trainer_svc.step_feed import StepEvents, StepFeed
+from trainer_svc.step_trainer import Group
 from trainer_svc.trackers import Trackers
 
 log = logging.getLogger("trainer")
@@ -243,9 +245,11 @@ class TrainerService:
         group = sorted(group, key=lambda s: s.sample_index)
         for s in group:
             s.reward = run.policy.reward(s.prompt_token_ids, s.response_token_ids)
-        await asyncio.to_thread(run.policy.add_group, [s.prompt_token_ids for s in group],
-                                [s.response_token_ids for s in group],
-                                [float(s.reward or 0.0) for s in group])
+        await asyncio.to_thread(run.policy.add_group, Group(
+            prompt_index=prompt_index, prompts=[s.prompt_token_ids for s in group],
+            responses=[s.response_token_ids for s in group],
+            rewards=[float(s.reward or 0.0) for s in group],
+            truncated=[s.finish_reason == "length" for s in group]))
         run.trained[prompt_index] = group
         self.groups_done.inc()
 
@@ -265,6 +269,7 @@ class TrainerService:
         return StepFinish(
             run_id=run.run_id, step=step, new_version=step + 1, digest=sample_digest(trained),
             rewards=rewards, loss=float(stats.get("loss", 0.0)), train_s=0.0,
+            stats={k: float(v) for k, v in stats.items() if k in STEP_STATS},
         )
 
     async def _checkpoint(self, run: ActiveTraining, report: StepFinish) -> None:

@@ -10,6 +10,11 @@ is the order of float64 additions (rank 0 sums groups 0, 2, 4, rank 1 groups 1, 
 all-reduce adds the two partial sums); Adam's update is smooth in the gradient, so that
 ~1e-16 relative difference stays far below the bound. Rank 1 must equal rank 0 bitwise: both
 run the same step on the same reduced numbers.
+
+Parametrised over algorithms that exercise each path of the step: GRPO streaming every group;
+REINFORCE++ with baseline (batch-normalised advantages streamed as two gradient sums, a KL
+term against the frozen reference, an entropy bonus) over two passes; DAPO (overlong shaping,
+clip-higher, dynamic sampling's deferred mini-batches) over two passes of two mini-batches.
 """
 
 from __future__ import annotations
@@ -28,20 +33,33 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from shared.algorithm import AlgorithmConfig
 from shared.protocol import RunSpec
 from trainer_svc import task
 from trainer_svc.model import tiny_config
 from trainer_svc.policies import Policy, TorchPolicy, distributed, make_policy
 from trainer_svc.policies.distributed import DistributedPolicy, Launch
+from trainer_svc.step_trainer import Group, RunShape
 
 LR = 1e-2
 ATOL = 1e-10
 REPO = Path(__file__).resolve().parents[2]
 
-Group = tuple[list[list[int]], list[list[int]], list[float]]
+SHAPE = RunShape(max_new_tokens=8, temperature=1.0, groups_per_step=5)
+CASES: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "reinforce_pp_baseline": {"kl_coef": 0.05, "entropy_coef": 0.01, "updates_per_step": 2},
+    "dapo": {"updates_per_step": 2, "minibatches": 2},
+}
 
 
-def _group(rng: random.Random, size: int, no_signal: bool = False) -> Group:
+def _algorithm(case: str) -> AlgorithmConfig:
+    return AlgorithmConfig.for_run({"algorithm": case, **CASES[case]},
+                                   max_new_tokens=SHAPE.max_new_tokens,
+                                   groups_per_step=SHAPE.groups_per_step)
+
+
+def _group(rng: random.Random, size: int, index: int, no_signal: bool = False) -> Group:
     prompt = task.make_prompt(rng.randrange(10), rng.randint(1, 3))
     responses = [
         [rng.choice(task.DIGIT_IDS) for _ in range(rng.randint(1, 7))] + [task.EOS_ID]
@@ -52,22 +70,23 @@ def _group(rng: random.Random, size: int, no_signal: bool = False) -> Group:
         rewards = [0.5] * size  # zero advantages: tokens count, no gradient
     else:
         rewards[0], rewards[1] = 0.0, 1.0  # never all equal
-    return [prompt] * size, responses, rewards
+    return Group(prompt_index=index, prompts=[prompt] * size, responses=responses,
+                 rewards=rewards, truncated=[False] * size)
 
 
 def _steps() -> list[list[Group]]:
     rng = random.Random(5)
     return [
         # Five groups over two ranks: uneven shares (3 and 2), one without signal.
-        [_group(rng, 4), _group(rng, 4), _group(rng, 4, no_signal=True), _group(rng, 4),
-         _group(rng, 4)],
+        [_group(rng, 4, 0), _group(rng, 4, 1), _group(rng, 4, 2, no_signal=True),
+         _group(rng, 4, 3), _group(rng, 4, 4)],
         # One group, the sixth of the run: owned by rank 1, so rank 0 has no gradient at all.
-        [_group(rng, 4)],
+        [_group(rng, 4, 0)],
         # After a save and a restore into a fresh policy.
-        [_group(rng, 4), _group(rng, 4), _group(rng, 4)],
+        [_group(rng, 4, 0), _group(rng, 4, 1), _group(rng, 4, 2)],
         # No signal anywhere: no rank has a gradient, so no optimizer step may be taken
         # (AdamW's momentum would move the weights on a zero gradient).
-        [_group(rng, 4, no_signal=True)],
+        [_group(rng, 4, 0, no_signal=True)],
     ]
 
 
@@ -92,7 +111,7 @@ def _scenario(make: Callable[[], Policy]) -> tuple[Policy, list[dict[str, Any]]]
             assert policy.restore() == 2
         policy.reset()
         for group in steps[index]:
-            policy.add_group(*group)
+            policy.add_group(group)
         stats.append(policy.step(index))
     return policy, stats
 
@@ -104,7 +123,7 @@ def _model_of(policy: Policy) -> torch.nn.Module:
     return policy.model
 
 
-def _rank_main(root: Path) -> None:
+def _rank_main(root: Path, case: str) -> None:
     """One torchrun rank (this file run as a script)."""
     torch.set_num_threads(1)
     launch = Launch.from_env()
@@ -118,7 +137,8 @@ def _rank_main(root: Path) -> None:
             picked = make_policy(spec, root, root / "run-picked", 0.0)
             assert isinstance(picked, DistributedPolicy)
             policy, stats = _scenario(lambda: DistributedPolicy.setup(
-                model_dir, root / "run-2", LR, 0, dtype=torch.float64))
+                model_dir, root / "run-2", LR, 0, dtype=torch.float64,
+                algorithm=_algorithm(case), shape=SHAPE))
             model = _model_of(policy)
             (root / "stats.json").write_text(json.dumps(stats))
         else:
@@ -141,7 +161,8 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None, case: str) -> None:
     model_dir = _model_dir(tmp_path)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -150,14 +171,15 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None) -> None:
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         __file__, str(tmp_path)],
+         __file__, str(tmp_path), case],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two_s = time.monotonic() - started
 
     ref, ref_stats = _scenario(lambda: TorchPolicy(
-        model_dir, tmp_path / "run-1", LR, 0, dtype=torch.float64))
+        model_dir, tmp_path / "run-1", LR, 0, dtype=torch.float64,
+        algorithm=_algorithm(case), shape=SHAPE))
     ref_params = _model_of(ref).state_dict()
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
@@ -179,9 +201,16 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None) -> None:
             want["tokens"], want["samples"], want["groups"])
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-12)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-9)
+        for name in ("clip_fraction", "kl", "entropy", "streamed_fraction"):
+            assert (name in got) is (name in want), name
+            if name in want:
+                assert got[name] == pytest.approx(want[name], rel=1e-9), name
     # The one-group step really ran on rank 1 alone and still moved the shared weights.
     assert stats[1]["groups"] == 1 and stats[1]["grad_norm"] > 0
-    assert stats[3]["grad_norm"] == 0.0
+    if case == "grpo":  # a KL term, or DAPO's length shaping, has a gradient without signal
+        assert stats[3]["grad_norm"] == 0.0
+    if _algorithm(case).updates_per_step > 1:
+        assert stats[0]["clip_fraction"] > 0
 
 
 def test_world_of_one_is_the_plain_torch_policy(tmp_path: Path) -> None:
@@ -198,4 +227,4 @@ def test_world_of_one_is_the_plain_torch_policy(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _rank_main(Path(sys.argv[1]))
+    _rank_main(Path(sys.argv[1]), sys.argv[2])

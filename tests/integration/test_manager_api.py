@@ -65,11 +65,37 @@ def metric(client: httpx.Client, name: str, **labels: str) -> float:
     {"learning_rate": "fast"},
     {"seeding": {"mode": "sometimes"}},
     {"seeding": {"mode": "fixed", "extra": 1}},
+    {"algorithm": "ppo"},
+    {"loss_agg": "mean"},
+    {"kl_estimator": "k4"},
+    {"updates_per_step": 0},
+    # Combinations the fields alone allow: each detail names the knob at fault.
+    {"algorithm": "dapo", "overlong_buffer": 8},  # not below max_new_tokens (8)
+    {"minibatches": 17},  # more mini-batches than prompts_per_step (16)
+    {"clip_ratio_low": 1.5},
+    {"kl_coef": -0.1},
+    {"dynamic_sampling": True},  # not available yet: refused rather than ignored
 ])
 def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str, object]) -> None:
     resp = manager.post("/v1/runs", json=body)
     assert resp.status_code == 422, resp.text
-    assert resp.json()["detail"]
+    detail = resp.json()["detail"]
+    assert detail
+    knob = next(iter(body)) if len(body) == 1 else "overlong_buffer"
+    if knob in ("algorithm", "minibatches", "clip_ratio_low", "kl_coef", "overlong_buffer",
+                "dynamic_sampling"):
+        assert knob in str(detail), detail
+
+
+def test_each_algorithm_is_accepted_with_its_defaults(manager: httpx.Client) -> None:
+    for algorithm in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp",
+                      "reinforce_pp_baseline", "gspo"):
+        spec = RunSpec(algorithm=algorithm)  # type: ignore[arg-type]
+        assert spec.algorithm_config().algorithm == algorithm
+    resp = manager.post("/v1/runs", json={"algorithm": "dapo", "steps": 1, "kl_coef": 0.01,
+                                          "updates_per_step": 2})
+    assert resp.status_code == 201, resp.text
+    manager.post(f"/v1/runs/{resp.json()['id']}/cancel")
 
 
 def test_the_openapi_document_describes_the_run_spec(manager: httpx.Client) -> None:

@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
+from shared.algorithm import SCOPE, Algorithm, AlgorithmConfig, Estimator, Scope
 from trainer_svc.algorithms import advantages as adv
-from trainer_svc.algorithms.config import SCOPE, Algorithm, AlgorithmConfig, Estimator, Scope
 
 # --- references ------------------------------------------------------------------------------
 

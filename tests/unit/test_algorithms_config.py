@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_svc.algorithms.config import (
+from shared.algorithm import (
     DEFAULTS,
     Algorithm,
     AlgorithmConfig,
@@ -89,10 +89,29 @@ def test_bad_values_name_their_field(field: str, value: object) -> None:
 def test_check_run() -> None:
     dapo = AlgorithmConfig.for_algorithm("dapo")
     with pytest.raises(AlgorithmConfigError) as info:
-        dapo.check_run(max_new_tokens=8, responses_per_step=128)
+        dapo.check_run(max_new_tokens=8, groups_per_step=16)
     assert info.value.field == "overlong_buffer"
-    dapo.check_run(max_new_tokens=20480, responses_per_step=128)
-    dapo.with_(overlong_buffer=2).check_run(max_new_tokens=8, responses_per_step=128)
+    dapo.check_run(max_new_tokens=20480, groups_per_step=16)
+    dapo.with_(overlong_buffer=2).check_run(max_new_tokens=8, groups_per_step=16)
     with pytest.raises(AlgorithmConfigError) as info:
-        dapo.check_run(max_new_tokens=20480, responses_per_step=8)
+        dapo.check_run(max_new_tokens=20480, groups_per_step=8)
+    assert info.value.field == "minibatches"
+
+
+def test_for_run_scales_unset_size_defaults_and_checks_set_ones() -> None:
+    # DAPO on the embedded task (8 tokens, 16 prompts): the buffer is the budget's last fifth,
+    # as 4096 is of 20480, and 16 mini-batches of one group each.
+    dapo = AlgorithmConfig.for_run({"algorithm": "dapo"}, max_new_tokens=8, groups_per_step=16)
+    assert (dapo.overlong_buffer, dapo.minibatches) == (1, 16)
+    small = AlgorithmConfig.for_run({"algorithm": "dapo"}, max_new_tokens=40, groups_per_step=4)
+    assert (small.overlong_buffer, small.minibatches) == (8, 4)
+    gspo = AlgorithmConfig.for_run({"algorithm": "gspo"}, max_new_tokens=8, groups_per_step=2)
+    assert gspo.minibatches == 2
+    # A value the user set is checked, never scaled.
+    with pytest.raises(AlgorithmConfigError) as info:
+        AlgorithmConfig.for_run({"algorithm": "dapo", "overlong_buffer": 8}, max_new_tokens=8,
+                                groups_per_step=16)
+    assert info.value.field == "overlong_buffer"
+    with pytest.raises(AlgorithmConfigError) as info:
+        AlgorithmConfig.for_run({"minibatches": 3}, max_new_tokens=8, groups_per_step=2)
     assert info.value.field == "minibatches"

@@ -22,9 +22,7 @@ import random
 import pytest
 import torch
 
-from trainer_svc.algorithms import advantages as adv
-from trainer_svc.algorithms import losses
-from trainer_svc.algorithms.config import (
+from shared.algorithm import (
     Algorithm,
     AlgorithmConfig,
     KlEstimator,
@@ -32,6 +30,8 @@ from trainer_svc.algorithms.config import (
     PolicyLoss,
     Scope,
 )
+from trainer_svc.algorithms import advantages as adv
+from trainer_svc.algorithms import losses
 from trainer_svc.algorithms.losses import AggCounts, aggregate, denominator, partial_sum
 from trainer_svc.algorithms.stats import TrainStats, response_stats
 

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
+from shared.algorithm import AlgorithmConfig, Estimator, KlEstimator, LossAgg
 from trainer_svc.algorithms import advantages as adv
 from trainer_svc.algorithms import losses
-from trainer_svc.algorithms.config import AlgorithmConfig, Estimator, KlEstimator, LossAgg
 from trainer_svc.algorithms.losses import aggregate, denominator
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")

@@ -16,7 +16,7 @@ Contract: nothing here knows the wire, the manager or the step loop. A trainer u
 Streaming equals batch exactly for every algorithm and ``loss_agg`` mode (tests, float64).
 """
 
-from trainer_svc.algorithms.config import (
+from shared.algorithm import (
     DEFAULTS,
     Algorithm,
     AlgorithmConfig,

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer_svc.algorithms.config import SCOPE, Estimator, Scope
+from shared.algorithm import SCOPE, Estimator, Scope
 
 GRPO_EPS = 1e-6  # veRL's compute_grpo_outcome_advantage epsilon, added to the std
 WHITEN_EPS = 1e-8  # veRL's masked_whiten: (x - mean) * rsqrt(var + 1e-8)

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer_svc.algorithms.config import AlgorithmConfig, KlEstimator, LossAgg, PolicyLoss
+from shared.algorithm import AlgorithmConfig, KlEstimator, LossAgg, PolicyLoss
 from trainer_svc.algorithms.stats import TrainStats
 
 # --- aggregation -------------------------------------------------------------------------

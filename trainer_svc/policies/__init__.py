@@ -4,7 +4,8 @@ Contract: the service imports :func:`make_policy` and the :class:`Policy` interf
 package and drives whatever comes back the same way.
 
 * ``base`` -- the :class:`Policy` interface.
-* ``torch_policy`` -- :class:`TorchPolicy`: a real HF causal LM trained with GRPO by torch.
+* ``torch_policy`` -- :class:`TorchPolicy`: a real HF causal LM trained by torch with the
+  run's algorithm (:class:`~trainer_svc.step_trainer.StepTrainer`).
 * ``distributed`` -- :class:`~trainer_svc.policies.distributed.DistributedPolicy`: rank 0 of a
   torchrun job, keeping one ``TorchPolicy`` per rank identical; also joins and leaves the job.
 * ``emu`` -- EMULATION: :class:`EmuPolicy` waits the time a :class:`ComputeModel` gives
@@ -24,6 +25,7 @@ from trainer_svc.policies.base import Policy
 from trainer_svc.policies.distributed import DistributedPolicy, channel
 from trainer_svc.policies.emu import PRESETS, ComputeModel, EmuPolicy
 from trainer_svc.policies.torch_policy import TorchPolicy
+from trainer_svc.step_trainer import RunShape
 
 __all__ = [
     "PRESETS",
@@ -54,7 +56,12 @@ def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
             raise ValueError(f"model {name!r} is neither 'tiny', an emu preset, nor an HF "
                              "model directory")
     learning_rate = spec.learning_rate
+    algorithm = spec.algorithm_config()
+    shape = RunShape(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+                     groups_per_step=spec.prompts_per_step)
     if channel() is not None:
         # Under torchrun with several ranks: the same model, data-parallel over the ranks.
-        return DistributedPolicy.setup(model_dir, run_dir, learning_rate, seed)
-    return TorchPolicy(model_dir, run_dir, learning_rate, seed)
+        return DistributedPolicy.setup(model_dir, run_dir, learning_rate, seed,
+                                       algorithm=algorithm, shape=shape)
+    return TorchPolicy(model_dir, run_dir, learning_rate, seed, algorithm=algorithm,
+                       shape=shape)

@@ -11,11 +11,13 @@ Contract:
   order of commands. ``setup`` opens a run (the model directory is resolved by rank 0 first,
   so a cached model is never built by two ranks at once); ``restore`` loads the newest
   checkpoint everywhere, checks all ranks loaded the same version, then broadcasts rank 0's
-  parameters; ``add_group`` names one owner rank (round-robin over the run), and only the
-  owner backpropagates that group; ``step`` all-reduces (SUM) the gradients, a per-parameter
-  has-gradient flag and the step's counters, after which every rank runs the *same*
-  single-process code (:meth:`GrpoAccumulator.step`) on the same numbers, so parameters and
-  optimizer state stay identical on every rank without ever being sent again.
+  parameters; ``add_group`` names one owner rank (round-robin over the run): every rank
+  records the group (rewards, lengths: what advantages, mini-batches and denominators need)
+  and only the owner scores and backpropagates it; ``step`` runs
+  :meth:`~trainer_svc.step_trainer.StepTrainer.step` on every rank, which before each
+  optimizer step all-reduces (SUM) the gradients, a per-parameter has-gradient flag and the
+  loss-side sums (:func:`all_reduce_grads`); every rank then runs the *same* code on the same
+  numbers, so parameters and optimizer state stay identical without ever being sent again.
 - Only rank 0 writes checkpoints: its state equals every other rank's.
 - Replicated data parallelism with one explicit all-reduce per optimizer step, on CPU (gloo)
   and CUDA (nccl) alike. DDP does not fit: it all-reduces inside every ``backward``, which
@@ -45,9 +47,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shared.algorithm import AlgorithmConfig
 from trainer_svc.checkpoint import RunCheckpoints
-from trainer_svc.grpo import learning_rate_at
 from trainer_svc.policies.torch_policy import TorchPolicy
+from trainer_svc.step_trainer import Group, RunShape
 
 log = logging.getLogger("trainer.dist")
 
@@ -67,6 +70,8 @@ class Setup:
     learning_rate: float  # base rate; the schedule is learning_rate_at(step, base)
     seed: int  # torch seed set before loading, as on rank 0
     dtype: torch.dtype  # parameter dtype
+    algorithm: AlgorithmConfig  # the run's objective
+    shape: RunShape  # what the objective needs of the run's shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +82,7 @@ class Restore:
 @dataclass(frozen=True, slots=True)
 class AddGroup:
     owner: int  # the one rank that backpropagates this group
-    prompts: list[list[int]]  # per sample, prompt token ids
-    responses: list[list[int]]  # per sample, response token ids
-    rewards: list[float]  # per sample, reward
+    group: Group  # every rank records it
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +233,8 @@ def shutdown() -> None:
 
 def _build(setup: Setup, device: torch.device) -> TorchPolicy:
     return TorchPolicy(setup.model_dir, setup.run_dir, setup.learning_rate, setup.seed,
-                       dtype=setup.dtype, device=device)
+                       dtype=setup.dtype, device=device, algorithm=setup.algorithm,
+                       shape=setup.shape, reduce=all_reduce_grads)
 
 
 def _sync_restore(local: TorchPolicy, version: int | None) -> int:
@@ -259,9 +263,8 @@ def _sync_restore(local: TorchPolicy, version: int | None) -> int:
     return version
 
 
-def _reduce_and_step(local: TorchPolicy, step_index: int) -> dict[str, Any]:
-    acc = local.accumulator
-    params = list(local.model.parameters())
+def all_reduce_grads(params: list[torch.nn.Parameter], sums: torch.Tensor) -> torch.Tensor:
+    """Sum every rank's gradients into each rank's ``.grad``; returns ``sums`` summed too."""
     device, dtype = params[0].device, params[0].dtype
     sizes = [p.numel() for p in params]
     # One flat buffer: each gradient (zeros where this rank has none) then a has-gradient flag
@@ -275,19 +278,15 @@ def _reduce_and_step(local: TorchPolicy, step_index: int) -> dict[str, Any]:
             flat[offset:offset + sizes[i]].copy_(p.grad.reshape(-1))
             flat[sum(sizes) + i] = 1
         offset += sizes[i]
-    counters = torch.tensor([acc.tokens, acc.samples, acc.groups, acc.loss_sum, acc.reward_sum],
-                            dtype=torch.float64, device=device)
+    summed = sums.to(device=device, dtype=torch.float64)
     dist.all_reduce(flat)
-    dist.all_reduce(counters)
+    dist.all_reduce(summed)
     offset = 0
     for i, p in enumerate(params):
         has_grad = bool(flat[sum(sizes) + i] > 0)
         p.grad = flat[offset:offset + sizes[i]].view_as(p).clone() if has_grad else None
         offset += sizes[i]
-    acc.tokens, acc.samples, acc.groups = (int(x) for x in counters[:3].tolist())
-    acc.loss_sum, acc.reward_sum = (float(x) for x in counters[3:].tolist())
-    # From here each rank runs the single-process step on identical inputs.
-    return acc.step(lr=learning_rate_at(step_index, local.learning_rate))
+    return summed.cpu()
 
 
 # --- rank 0 --------------------------------------------------------------------------------
@@ -305,11 +304,13 @@ class DistributedPolicy:
 
     @classmethod
     def setup(cls, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
-              dtype: torch.dtype = torch.float32) -> DistributedPolicy:
+              dtype: torch.dtype = torch.float32, *, algorithm: AlgorithmConfig | None = None,
+              shape: RunShape | None = None) -> DistributedPolicy:
         chan = channel()
         if chan is None:
             raise DistributedError("torch.distributed is not initialised with several ranks")
-        cmd = Setup(model_dir, run_dir, learning_rate, seed, dtype)
+        cmd = Setup(model_dir, run_dir, learning_rate, seed, dtype,
+                    algorithm or AlgorithmConfig.for_algorithm(), shape or RunShape())
         chan.send(cmd)
         return cls(_build(cmd, chan.device), chan)
 
@@ -320,14 +321,12 @@ class DistributedPolicy:
     def reward(self, prompt: list[int], response: list[int]) -> float:
         return self.local.reward(prompt, response)
 
-    def add_group(self, prompts: list[list[int]], responses: list[list[int]],
-                  rewards: list[float]) -> None:
+    def add_group(self, group: Group) -> None:
         owner = self._groups % self.chan.world_size
         self._groups += 1
-        # Sent even when rank 0 owns it: the sequence of commands is identical on every rank.
-        self.chan.send(AddGroup(owner, prompts, responses, rewards))
-        if owner == 0:
-            self.local.add_group(prompts, responses, rewards)
+        # Sent to every rank: each records the group, only its owner backpropagates it.
+        self.chan.send(AddGroup(owner, group))
+        self.local.add_group(group, owned=owner == 0)
 
     def reset(self) -> None:
         self.chan.send(Reset())
@@ -335,7 +334,7 @@ class DistributedPolicy:
 
     def step(self, step_index: int) -> dict[str, Any]:
         self.chan.send(Step(step_index))
-        return _reduce_and_step(self.local, step_index)
+        return self.local.step(step_index)
 
     def save(self, version: int) -> None:
         self.local.save(version)
@@ -389,11 +388,11 @@ def _apply(policy: TorchPolicy, command: Command, rank: int) -> None:
     match command:
         case Restore():
             _sync_restore(policy, None)
-        case AddGroup(owner=owner) if owner == rank:
-            policy.add_group(command.prompts, command.responses, command.rewards)
+        case AddGroup(owner=owner, group=group):
+            policy.add_group(group, owned=owner == rank)
         case Reset():
             policy.reset()
         case Step(step_index=step_index):
-            _reduce_and_step(policy, step_index)
+            policy.step(step_index)
         case _:
-            pass  # a group owned by another rank
+            pass  # Setup, Ping and Stop never reach here (worker_loop handles them)

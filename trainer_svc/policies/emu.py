@@ -20,6 +20,7 @@ from typing import Any
 from shared.hardware import H100_BF16_FLOPS, H100_HBM_BYTES_S
 from trainer_svc import task
 from trainer_svc.checkpoint import RunCheckpoints
+from trainer_svc.step_trainer import Group
 
 # The emu engine's vocabulary (rollout_svc.engines.emu's default): ingest drops any token
 # id at or above it.
@@ -82,9 +83,9 @@ class EmuPolicy:
         # A deterministic stand-in for a verifier: the share of even token ids.
         return sum(1 for t in response if t % 2 == 0) / len(response) if response else 0.0
 
-    def add_group(self, prompts: list[list[int]], responses: list[list[int]],
-                  rewards: list[float]) -> None:
-        tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    def add_group(self, group: Group) -> None:
+        tokens = sum(len(p) + len(r) for p, r in zip(group.prompts, group.responses,
+                                                       strict=True))
         time.sleep(self.time_scale * tokens * self.preset.seconds_per_token)
 
     def reset(self) -> None:

@@ -1,8 +1,11 @@
-"""The real policy: an HF causal LM trained with GRPO by torch, in one process.
+"""The real policy: an HF causal LM trained by torch with the run's algorithm, in one process.
 
 Contract: :class:`TorchPolicy` keeps the :class:`~trainer_svc.policies.base.Policy` interface
-on the CPU or one GPU. Under torchrun each rank holds one of these and
-:mod:`trainer_svc.policies.distributed` keeps them identical; nothing here knows about ranks.
+on the CPU or one GPU; the step's math is :class:`~trainer_svc.step_trainer.StepTrainer`.
+With a KL term it also holds the frozen reference policy: the run's initial weights, loaded
+from the model directory (never from a checkpoint, so a restarted trainer has the same one).
+Under torchrun each rank holds one of these and :mod:`trainer_svc.policies.distributed` keeps
+them identical; nothing here knows about ranks beyond the ``reduce`` hook it passes on.
 The module is ``torch_policy``, not ``torch``, so no reader mistakes it for the library.
 """
 
@@ -13,17 +16,21 @@ from typing import Any
 
 import torch
 
+from shared.algorithm import AlgorithmConfig
 from trainer_svc import task
 from trainer_svc.checkpoint import RunCheckpoints
-from trainer_svc.grpo import GrpoAccumulator, learning_rate_at
+from trainer_svc.grpo import learning_rate_at
 from trainer_svc.model import load_policy
+from trainer_svc.step_trainer import Group, Reduce, RunShape, StepTrainer, local_reduce
 
 
 class TorchPolicy:
-    """An HF causal LM trained with GRPO on the CPU or a GPU, in one process."""
+    """An HF causal LM trained on the CPU or a GPU, in one process."""
 
     def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None, *,
+                 algorithm: AlgorithmConfig | None = None, shape: RunShape | None = None,
+                 reduce: Reduce = local_reduce) -> None:
         torch.manual_seed(seed)
         self.model = load_policy(model_dir, dtype=dtype)
         if device is not None:
@@ -31,7 +38,15 @@ class TorchPolicy:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
                                            weight_decay=0.0)
-        self.accumulator = GrpoAccumulator(self.model, self.optimizer, pad_id=task.PAD_ID)
+        cfg = algorithm or AlgorithmConfig.for_algorithm()
+        reference = None
+        if cfg.needs_reference:
+            reference = load_policy(model_dir, dtype=dtype)
+            if device is not None:
+                reference.to(device)
+            reference.requires_grad_(False)
+        self.trainer = StepTrainer(self.model, self.optimizer, cfg, shape or RunShape(),
+                                   task.PAD_ID, reference=reference, reduce=reduce)
         self.learning_rate = learning_rate
         self.checkpoints = RunCheckpoints(run_dir, model_dir)
         self.eos_id = task.EOS_ID
@@ -46,17 +61,16 @@ class TorchPolicy:
     def reward(self, prompt: list[int], response: list[int]) -> float:
         return task.reward(prompt, response)
 
-    def add_group(self, prompts: list[list[int]], responses: list[list[int]],
-                  rewards: list[float]) -> None:
-        self.accumulator.add_group(prompts, responses, rewards)
+    def add_group(self, group: Group, owned: bool = True) -> None:
+        self.trainer.add_group(group, owned)
 
     def reset(self) -> None:
-        self.accumulator.reset()
+        self.trainer.reset()
 
     def step(self, step_index: int) -> dict[str, Any]:
         # The warm-up schedule is a pure function of the step: a restarted trainer needs no
         # scheduler state to resume it.
-        return self.accumulator.step(lr=learning_rate_at(step_index, self.learning_rate))
+        return self.trainer.step(lr=learning_rate_at(step_index, self.learning_rate))
 
     def save(self, version: int) -> None:
         self.checkpoints.save(self.model, self.optimizer, version)

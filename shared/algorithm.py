@@ -4,8 +4,15 @@ Contract: :class:`AlgorithmConfig` is an immutable, validated value. Build it wi
 :meth:`AlgorithmConfig.for_algorithm` (or :meth:`AlgorithmConfig.from_spec` from a run spec's
 flat fields): a knob left out, or given as ``None``, takes the algorithm's default from
 :data:`DEFAULTS`. A bad value raises :class:`AlgorithmConfigError` naming the field, which the
-manager can turn into a 422. :meth:`AlgorithmConfig.check_run` checks the knobs that depend on
-the run's shape (generation budget, responses per step).
+manager turns into a 422. :meth:`AlgorithmConfig.check_run` checks the knobs that depend on
+the run's shape (generation budget, prompts per step). It lives in ``shared`` because the run
+spec validates it while parsing: the manager refuses a bad combination before a run exists.
+
+:meth:`AlgorithmConfig.for_run` scales the two defaults that are sizes to the run, so a paper's
+algorithm also runs on a small spec: DAPO's overlong buffer is the last fifth of the budget
+(4096 of 20480 tokens), and the mini-batch count is at most the prompts per step (mini-batches
+split a step by groups, as veRL's ``ppo_mini_batch_size`` counts prompts). A knob the user set
+is never scaled; it is checked.
 
 Where each default comes from (section and equation numbers of the papers' arXiv versions):
 
@@ -148,6 +155,10 @@ DEFAULTS: dict[Algorithm, dict[str, Any]] = {
 }
 
 
+# DAPO's generation budget (veRL's docs/algo/dapo.md): its 4096-token buffer is a fifth of it.
+DAPO_MAX_LENGTH = 20480
+
+
 class AlgorithmConfigError(ValueError):
     """A knob has a value the algorithm cannot use (not retryable: the spec is wrong)."""
 
@@ -262,7 +273,22 @@ class AlgorithmConfig:
         """Whether a frozen reference policy must be loaded (only for a KL term)."""
         return self.kl_coef > 0.0
 
-    def check_run(self, *, max_new_tokens: int, responses_per_step: int) -> None:
+    @classmethod
+    def for_run(cls, spec: Mapping[str, Any], *, max_new_tokens: int,
+                groups_per_step: int) -> AlgorithmConfig:
+        """:meth:`from_spec` with the size defaults scaled to the run (module doc), checked."""
+        base = cls.from_spec(spec)
+        scaled: dict[str, Any] = {}
+        if spec.get("overlong_buffer") is None and base.overlong_buffer:
+            scaled["overlong_buffer"] = (max_new_tokens * base.overlong_buffer
+                                         // DAPO_MAX_LENGTH)
+        if spec.get("minibatches") is None:
+            scaled["minibatches"] = min(base.minibatches, groups_per_step)
+        cfg = base.with_(**scaled) if scaled else base
+        cfg.check_run(max_new_tokens=max_new_tokens, groups_per_step=groups_per_step)
+        return cfg
+
+    def check_run(self, *, max_new_tokens: int, groups_per_step: int) -> None:
         """Raise if a knob cannot work with the run's generation budget or batch size."""
         if self.overlong_buffer and self.overlong_buffer >= max_new_tokens:
             # DAPO's buffer is the last 4096 of 20480 tokens; with a budget below that the
@@ -272,8 +298,9 @@ class AlgorithmConfig:
                 f"{self.overlong_buffer} tokens must be below max_new_tokens ({max_new_tokens}); "
                 "DAPO penalises the last 4096 of 20480 (a fifth), or set 0 to turn it off",
             )
-        if self.minibatches > responses_per_step:
+        if self.minibatches > groups_per_step:
             raise AlgorithmConfigError(
                 "minibatches",
-                f"{self.minibatches} mini-batches cannot split {responses_per_step} responses",
+                f"{self.minibatches} mini-batches cannot split {groups_per_step} prompts "
+                "(a mini-batch holds whole groups)",
             )

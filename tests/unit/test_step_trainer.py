@@ -1,0 +1,211 @@
+"""Streaming = batch for every algorithm, with several passes and mini-batches per step.
+
+The streaming side is :class:`StepTrainer` as the trainer drives it: groups added one at a
+time in a shuffled order, then ``step`` at the barrier. The batch side is written here from
+the definitions: every group at once, final advantages from
+:func:`~trainer_svc.algorithms.advantages.step_advantages`, old (and reference) log-probs in
+one forward with the step's weights, then ``updates_per_step`` passes of ``minibatches``
+optimizer steps, each on the mini-batch's whole objective divided by its denominator.
+float64 model, SGD (Adam's first step is scale-free and would hide a wrong denominator),
+``atol = 1e-12`` on every parameter after the step. HF's RMSNorm computes in float32 whatever
+the model's dtype; the fixture below keeps it in float64, or REINFORCE++'s streamed parts (two
+gradient sums combined at the barrier) would differ from the direct sum at ~1e-8 by float32
+rounding alone, which says nothing about streaming.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+from transformers.models.qwen2 import modeling_qwen2
+
+from shared.algorithm import Algorithm, AlgorithmConfig
+from trainer_svc import task
+from trainer_svc.algorithms import advantages, logprobs, losses
+from trainer_svc.model import tiny_config
+from trainer_svc.step_trainer import Group, RunShape, StepTrainer
+
+MAX_NEW = 8
+GROUPS = 4
+LR = 2.0  # large, so a second pass moves ratios past the clip and clip_fraction is non-zero
+TEMPERATURE = 0.7  # T != 1: every log-prob is taken at the sampling temperature
+
+
+def _rms_norm_in_input_dtype(self: modeling_qwen2.Qwen2RMSNorm,
+                             hidden: torch.Tensor) -> torch.Tensor:
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture(autouse=True)
+def float64_rms_norm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_in_input_dtype)
+    yield
+
+
+def _model64(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(tiny_config()).to(torch.float64)
+
+
+def _groups(seed: int = 7) -> list[Group]:
+    rng = random.Random(seed)
+    out = []
+    for index in range(GROUPS):
+        prompt = task.make_prompt(rng.randrange(10), rng.randint(1, 3))
+        responses = []
+        for _ in range(4):
+            body = [rng.choice(task.DIGIT_IDS) for _ in range(rng.randint(1, MAX_NEW))]
+            # Some responses run out of budget without an EOS: truncated.
+            responses.append(body if len(body) == MAX_NEW else [*body, task.EOS_ID])
+        rewards = [task.reward(prompt, r) for r in responses]
+        if index == 1:
+            rewards = [0.25] * 4  # all equal: no signal for group-relative estimators
+        else:
+            rewards[0], rewards[1] = 0.0, 1.0
+        out.append(Group(prompt_index=index, prompts=[prompt] * 4, responses=responses,
+                         rewards=rewards, truncated=[len(r) == MAX_NEW for r in responses]))
+    return out
+
+
+def _batch_step(model: torch.nn.Module, cfg: AlgorithmConfig, groups: list[Group],
+                reference: torch.nn.Module | None) -> None:
+    """The batch computation the streamed step must equal (module doc)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    shaped = []
+    for g in groups:
+        lengths = [len(r) for r in g.responses]
+        rewards = advantages.shaped(g.rewards, lengths, MAX_NEW, cfg.overlong_buffer) \
+            if cfg.overlong_buffer else list(g.rewards)
+        shaped.append((torch.tensor(rewards, dtype=torch.float64), lengths))
+    adv = [a for group in advantages.step_advantages(cfg.estimator, shaped) for a in group]
+    prompts = [p for g in groups for p in g.prompts]
+    responses = [r for g in groups for r in g.responses]
+    with torch.no_grad():
+        old = logprobs.response_logprobs(model, prompts, responses, task.PAD_ID, TEMPERATURE)
+        ref = logprobs.response_logprobs(reference, prompts, responses, task.PAD_ID,
+                                         TEMPERATURE) if reference is not None else None
+    per_group = len(groups[0].responses)
+    bounds = [k * len(groups) // cfg.minibatches for k in range(cfg.minibatches + 1)]
+    for _ in range(cfg.updates_per_step):
+        for k in range(cfg.minibatches):
+            rows = slice(bounds[k] * per_group, bounds[k + 1] * per_group)
+            scores = logprobs.response_scores(model, prompts[rows], responses[rows],
+                                              task.PAD_ID, temperature=TEMPERATURE,
+                                              entropy=True)
+            obj = losses.objective(cfg, scores.logprobs, old[rows], adv[rows],
+                                   ref=ref[rows] if ref is not None else None,
+                                   entropy=scores.entropy)
+            obj.partial.backward()
+            denom = losses.denominator(cfg.loss_agg, obj.counts, MAX_NEW)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / denom)
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.grad is not None], 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def _streamed_step(model: torch.nn.Module, cfg: AlgorithmConfig, groups: list[Group],
+                   reference: torch.nn.Module | None) -> dict[str, float]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    trainer = StepTrainer(model, opt, cfg, RunShape(MAX_NEW, TEMPERATURE, GROUPS), task.PAD_ID,
+                          reference=reference)
+    order = list(groups)
+    random.Random(1).shuffle(order)  # groups complete in any order
+    for g in order:
+        trainer.add_group(g)
+    return trainer.step()
+
+
+CASES = [(a.value, {}) for a in Algorithm] + [
+    # DAPO's dynamic sampling: the mini-batches are known only at the barrier, nothing streams.
+    ("dapo", {"dynamic_sampling": True}),
+    # Batch-normalised advantages with the KL and entropy terms streaming beside them.
+    ("reinforce_pp_baseline", {"kl_coef": 0.05, "kl_estimator": "k3", "entropy_coef": 0.01}),
+    ("grpo", {"kl_coef": 0.1, "kl_estimator": "k2", "loss_agg": "seq_mean_token_mean"}),
+]
+
+
+@pytest.mark.parametrize(("algorithm", "knobs"), CASES, ids=[f"{a}{'+' if k else ''}"
+                                                           f"{'-'.join(k)}" for a, k in CASES])
+def test_streaming_equals_batch_with_several_updates(algorithm: str, knobs: dict[str, object]
+                                                     ) -> None:
+    cfg = AlgorithmConfig.for_run(
+        {"algorithm": algorithm, "updates_per_step": 2, "minibatches": 2,
+         "dynamic_sampling": False, **knobs}, max_new_tokens=MAX_NEW, groups_per_step=GROUPS)
+    reference = _model64(seed=1) if cfg.needs_reference else None
+    groups = _groups()
+    streamed, batched = _model64(), _model64()
+    stats = _streamed_step(streamed, cfg, groups, reference)
+    _batch_step(batched, cfg, groups, reference)
+
+    moved = 0.0
+    for (name, ps), pb, p0 in zip(streamed.named_parameters(), batched.parameters(),
+                                  _model64().parameters(), strict=True):
+        torch.testing.assert_close(ps, pb, rtol=0, atol=1e-12, msg=name)
+        moved = max(moved, float((ps - p0).detach().abs().max()))
+    assert moved > 1e-6  # the step did something, so equality is not vacuous
+    assert stats["optimizer_steps"] == 4
+    # The second pass runs on moved weights: some ratios leave the clip range.
+    assert stats["clip_fraction"] > 0
+    assert ("kl" in stats) is cfg.needs_reference
+    if cfg.needs_reference:
+        assert stats["kl"] > 0  # the reference is another model
+    # One pass of two mini-batches streams at most its first: 1/4 of the backward, or
+    # nothing where the mini-batches wait for the barrier.
+    silent = cfg.scope.value == "group" and cfg.kl_coef == 0 and cfg.entropy_coef == 0
+    live = [g for g in groups if not (silent and g.prompt_index == 1)]
+    first = sum(len(r) for g in live if g.prompt_index < GROUPS // 2 for r in g.responses)
+    total = 2 * sum(len(r) for g in live for r in g.responses)
+    want = 0.0 if cfg.dynamic_sampling else first / total
+    assert stats["streamed_fraction"] == pytest.approx(want)
+
+
+def test_one_pass_streams_everything_and_reports_the_data() -> None:
+    cfg = AlgorithmConfig.for_algorithm("grpo")
+    groups = _groups()
+    stats = _streamed_step(_model64(), cfg, groups, None)
+    lengths = [len(r) for g in groups for r in g.responses]
+    assert stats["streamed_fraction"] == 1.0 and stats["optimizer_steps"] == 1
+    assert stats["clip_fraction"] == 0.0  # ratio 1: nothing clips on the first pass
+    assert stats["tokens"] == sum(lengths) and stats["groups"] == GROUPS
+    assert stats["response_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
+    assert stats["response_len_max"] == max(lengths)
+    truncated = sum(t for g in groups for t in g.truncated)
+    assert stats["truncated_fraction"] == pytest.approx(truncated / len(lengths))
+    adv = torch.cat([a for group in advantages.step_advantages(cfg.estimator, [
+        (torch.tensor(g.rewards, dtype=torch.float64), [len(r) for r in g.responses])
+        for g in groups]) for a in group])
+    assert stats["advantage_mean"] == pytest.approx(float(adv.mean()), abs=1e-12)
+    assert stats["advantage_std"] == pytest.approx(float(adv.std(unbiased=False)), rel=1e-9)
+    assert "kl" not in stats and stats["entropy"] > 0
+
+
+def test_a_step_without_signal_takes_no_optimizer_step() -> None:
+    model = _model64()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    trainer = StepTrainer(model, opt, AlgorithmConfig.for_algorithm("grpo"), RunShape(),
+                          task.PAD_ID)
+    g = _groups()[1]  # all-equal rewards
+    trainer.add_group(g)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = trainer.step()
+    assert stats["grad_norm"] == 0.0 and stats["optimizer_steps"] == 0
+    assert stats["tokens"] == sum(len(r) for r in g.responses)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+
+
+def test_a_group_added_twice_is_refused() -> None:
+    model = _model64()
+    trainer = StepTrainer(model, torch.optim.SGD(model.parameters(), lr=LR),
+                          AlgorithmConfig.for_algorithm("grpo"), RunShape(), task.PAD_ID)
+    trainer.add_group(_groups()[0])
+    with pytest.raises(ValueError, match="twice"):
+        trainer.add_group(_groups()[0])

@@ -1,0 +1,354 @@
+"""One RL step's optimisation: groups stream in before the barrier, the rest runs after it.
+
+Contract: :class:`StepTrainer` trains one step of any algorithm of :mod:`shared.algorithm` with
+the math of :mod:`trainer_svc.algorithms`. ``add_group`` is called once per group, in any
+order, while rollout goes on; ``step`` is called at the barrier and runs every optimizer step
+of the RL step: ``updates_per_step`` passes over the step's groups, each pass split into
+``minibatches`` optimizer steps. The result equals the batch computation (every group at once,
+old log-probs from the step's weights, the same passes and mini-batches) exactly, in float64;
+``tests/unit/test_step_trainer.py`` holds that reference.
+
+What can run before the barrier, and what must wait:
+
+* Mini-batch *k* of a pass holds the groups ranked ``[k n / M, (k + 1) n / M)`` by prompt index
+  among the step's n groups. Without dynamic sampling n is ``prompts_per_step`` and a group's
+  mini-batch is known from its prompt index on arrival.
+* The first mini-batch of the first pass runs with the step's weights, so its ratio is exactly
+  1. Its groups are backpropagated as they arrive: a ``group``-scope estimator's advantages
+  are final per group; a ``batch``-scope one (REINFORCE++) streams through
+  :func:`~trainer_svc.algorithms.losses.first_pass_parts` into two extra gradient buffers,
+  combined at the barrier once the step's whitening is known (three gradient copies in memory
+  while the step streams).
+* Every other group is only scored before the barrier (old and reference log-probs, no
+  gradient); its backward passes run after the barrier, after the first optimizer step.
+* The step record's ``streamed_fraction`` is the share of backpropagated tokens (over every
+  pass) whose backward ran before the barrier: 1 with one pass and one mini-batch, at most
+  ``1 / (updates_per_step * minibatches)`` otherwise.
+
+A group of a ``group``-scope estimator with all-zero advantages and no KL or entropy term has
+no gradient in any pass: it is never scored, but its tokens count in the denominators, as in
+the batch computation.
+
+Ranks: every rank is told about every group (``owned=False`` for the groups another rank
+backpropagates), so rewards, lengths, whitening, mini-batches and denominators are known on
+each rank without communication; ``reduce`` sums the gradients and the loss-side sums over the
+ranks before each optimizer step (the identity in one process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shared.algorithm import AlgorithmConfig, Scope
+from trainer_svc.algorithms import advantages, logprobs, losses
+from trainer_svc.algorithms.stats import TrainStats, response_stats
+
+DEFAULT_MAX_GRAD_NORM = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One prompt's responses as the trainer trains them (ranks receive it pickled)."""
+
+    prompt_index: int  # the group's identity within the step; orders the mini-batches
+    prompts: list[list[int]]  # per response, the prompt token ids
+    responses: list[list[int]]  # per response, the response token ids
+    rewards: list[float]  # task rewards, before DAPO's overlong shaping
+    truncated: list[bool]  # per response: ran out of budget rather than ending
+
+
+@dataclass(frozen=True, slots=True)
+class RunShape:
+    """What the objective needs to know about the run besides the algorithm's knobs."""
+
+    max_new_tokens: int = 8  # the budget: overlong shaping and Dr. GRPO's constant
+    temperature: float = 1.0  # every log-prob is taken at the sampling temperature
+    groups_per_step: int = 16  # prompts per step: a group's mini-batch from its index
+
+
+# Sums the gradients of ``params`` and the float64 vector over the ranks; returns the vector.
+Reduce = Callable[[list[torch.nn.Parameter], torch.Tensor], torch.Tensor]
+
+
+def local_reduce(_: list[torch.nn.Parameter], sums: torch.Tensor) -> torch.Tensor:
+    return sums
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A group of the step as this rank keeps it."""
+
+    group: Group
+    lengths: list[int]
+    raw: list[torch.Tensor]  # stage-1 advantages per response (float64)
+    owned: bool  # this rank backpropagates it
+    silent: bool  # no gradient in any pass: never scored
+    old: list[torch.Tensor] | None = None  # log-probs under the step's weights
+    ref: list[torch.Tensor] | None = None  # log-probs under the reference policy
+    streamed: bool = False  # its first-pass gradient is already accumulated
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass(slots=True)
+class _Pass:
+    """Loss-side sums of one optimizer step, reduced over the ranks."""
+
+    partial: float = 0.0
+    stats: TrainStats = field(default_factory=TrainStats)
+
+    def add(self, partial: float, stats: TrainStats) -> None:
+        self.partial += partial
+        self.stats.merge(stats)
+
+    def vector(self) -> torch.Tensor:
+        s = self.stats
+        return torch.tensor([self.partial, s.loss_tokens, s.clipped_tokens, s.kl_sum,
+                             s.kl_tokens, s.entropy_sum, s.entropy_tokens], dtype=torch.float64)
+
+    @staticmethod
+    def from_vector(v: torch.Tensor) -> _Pass:
+        x = v.tolist()
+        return _Pass(x[0], TrainStats(loss_tokens=int(x[1]), clipped_tokens=int(x[2]),
+                                      kl_sum=x[3], kl_tokens=int(x[4]), entropy_sum=x[5],
+                                      entropy_tokens=int(x[6])))
+
+
+class StepTrainer:
+    """Accumulates one step group by group, then takes the step's optimizer steps."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 cfg: AlgorithmConfig, shape: RunShape, pad_id: int, *,
+                 reference: torch.nn.Module | None = None,
+                 reduce: Reduce = local_reduce) -> None:
+        if cfg.needs_reference and reference is None:
+            raise ValueError("kl_coef > 0 needs the frozen reference policy")
+        self.model = model
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.shape = shape
+        self.pad_id = pad_id
+        self.reference = reference if cfg.needs_reference else None
+        self.reduce = reduce
+        self.params = list(model.parameters())
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the step's groups and gradients (a new step, or an aborted one)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._entries: dict[int, _Entry] = {}
+        self._first = _Pass()  # the streamed part of the first optimizer step
+        self._parts_adv: list[torch.Tensor | None] = [None] * len(self.params)
+        self._parts_one: list[torch.Tensor | None] = [None] * len(self.params)
+        self._parts_value = (0.0, 0.0)  # the values of the streamed (P_adv, P_one)
+
+    # --- before the barrier -----------------------------------------------------------------
+
+    @property
+    def _can_stream(self) -> bool:
+        # With dynamic sampling the step's groups, hence the mini-batches, are known only at
+        # the barrier; with one mini-batch every group is in the first.
+        return self.cfg.minibatches == 1 or not self.cfg.dynamic_sampling
+
+    @property
+    def _passes(self) -> int:
+        return self.cfg.updates_per_step * self.cfg.minibatches
+
+    def add_group(self, group: Group, owned: bool = True) -> None:
+        """Record a group; if owned, score it and backpropagate what the barrier cannot change."""
+        n = len(group.responses)
+        if not n == len(group.prompts) == len(group.rewards) == len(group.truncated):
+            raise ValueError("prompts, responses, rewards and truncated flags differ in count")
+        if group.prompt_index in self._entries:
+            raise ValueError(f"group {group.prompt_index} added twice in one step")
+        lengths = [len(r) for r in group.responses]
+        rewards = list(group.rewards)
+        if self.cfg.overlong_buffer:
+            rewards = advantages.shaped(rewards, lengths, self.shape.max_new_tokens,
+                                        self.cfg.overlong_buffer,
+                                        self.cfg.overlong_penalty_factor)
+        raw = advantages.raw_advantages(self.cfg.estimator,
+                                        torch.tensor(rewards, dtype=torch.float64), lengths)
+        silent = (self.cfg.scope is Scope.GROUP and self.cfg.kl_coef == 0.0
+                  and self.cfg.entropy_coef == 0.0 and all(bool((a == 0).all()) for a in raw))
+        entry = _Entry(group, lengths, raw, owned, silent or sum(lengths) == 0)
+        self._entries[group.prompt_index] = entry
+        if not owned or entry.silent:
+            return
+        first = group.prompt_index * self.cfg.minibatches // self.shape.groups_per_step == 0
+        if first and self._can_stream:
+            self._stream(entry)
+        else:
+            with torch.no_grad():
+                entry.old = self._scores(entry).logprobs
+                entry.ref = self._reference(entry)
+
+    def _scores(self, entry: _Entry) -> logprobs.TokenScores:
+        g = entry.group
+        with logprobs.dropout_off(self.model):
+            return logprobs.response_scores(self.model, g.prompts, g.responses, self.pad_id,
+                                            temperature=self.shape.temperature, entropy=True)
+
+    def _reference(self, entry: _Entry) -> list[torch.Tensor] | None:
+        if self.reference is None:
+            return None
+        g = entry.group
+        with torch.no_grad(), logprobs.dropout_off(self.reference):
+            return logprobs.response_logprobs(self.reference, g.prompts, g.responses,
+                                              self.pad_id, self.shape.temperature)
+
+    def _stream(self, entry: _Entry) -> None:
+        """The group's share of the first optimizer step, while the ratio is exactly 1."""
+        scores = self._scores(entry)
+        new = scores.logprobs
+        old = [t.detach() for t in new]
+        ref = self._reference(entry)
+        if self.cfg.scope is Scope.GROUP:
+            obj = losses.objective(self.cfg, new, old, entry.raw, ref=ref, entropy=scores.entropy)
+            obj.partial.backward()
+            self._first.add(float(obj.partial.detach()), obj.stats)
+        else:
+            # The policy-gradient part waits for the whitening as two sums (module doc); the
+            # KL and entropy terms do not involve the advantage and go into .grad now.
+            p_adv, p_one = losses.first_pass_parts(new, entry.raw, self.cfg.loss_agg)
+            zeros = [torch.zeros_like(a) for a in entry.raw]
+            obj = losses.objective(self.cfg, new, old, zeros, ref=ref, entropy=scores.entropy)
+            self._backward_into(p_adv, self._parts_adv)
+            self._backward_into(p_one, self._parts_one)
+            pa, po = self._parts_value
+            self._parts_value = (pa + float(p_adv.detach()), po + float(p_one.detach()))
+            if obj.partial.requires_grad and (self.cfg.kl_coef or self.cfg.entropy_coef):
+                obj.partial.backward()
+            self._first.add(float(obj.partial.detach()), obj.stats)
+        entry.streamed = True
+        if self._passes > 1:
+            entry.old, entry.ref = old, ref
+
+    def _backward_into(self, loss: torch.Tensor, buffer: list[torch.Tensor | None]) -> None:
+        """Backpropagate ``loss`` into ``buffer`` instead of ``.grad``, keeping the graph."""
+        saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        loss.backward(retain_graph=True)
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                have = buffer[i]
+                buffer[i] = p.grad if have is None else have + p.grad
+            p.grad = saved[i]
+
+    # --- at the barrier -----------------------------------------------------------------------
+
+    def step(self, lr: float | None = None,
+             max_grad_norm: float = DEFAULT_MAX_GRAD_NORM) -> dict[str, Any]:
+        """Every optimizer step of the RL step; returns the step's statistics, then resets."""
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        entries = [self._entries[i] for i in sorted(self._entries)]
+        m, passes = self.cfg.minibatches, self.cfg.updates_per_step
+        batches: list[list[_Entry]] = [[] for _ in range(m)]
+        for rank, entry in enumerate(entries):
+            batches[rank * m // len(entries)].append(entry)
+        if any(e.streamed for b in batches[1:] for e in b):
+            raise RuntimeError("a streamed group is not in the first mini-batch; was a group "
+                               "missing or outside prompts_per_step?")
+        whitening = advantages.batch_whitening(self.cfg.estimator, [e.raw for e in entries])
+        final = {e.group.prompt_index: [whitening.apply(a) for a in e.raw] for e in entries}
+        self._combine_parts(whitening)
+        norms: list[float] = []
+        loss_values: list[float] = []
+        loss_stats = TrainStats()
+        for epoch in range(passes):
+            for k, batch in enumerate(batches):
+                done = self._first if (epoch, k) == (0, 0) else _Pass()
+                for entry in batch:
+                    if entry.owned and not entry.silent and not (epoch == k == 0
+                                                                 and entry.streamed):
+                        self._backward(entry, final[entry.group.prompt_index], done)
+                    if entry.owned and entry.silent:  # counted once, by its owner
+                        done.stats.loss_tokens += entry.tokens
+                norm, reduced = self._optimizer_step(batch, done, max_grad_norm)
+                if norm is not None:
+                    norms.append(norm)
+                loss_values.append(reduced.partial)
+                loss_stats.merge(reduced.stats)
+        out = self._summary(entries, final, loss_stats)
+        out["loss"] = sum(loss_values) / len(loss_values) if loss_values else 0.0
+        out["grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+        out["optimizer_steps"] = len(norms)
+        self.reset()
+        return out
+
+    def _combine_parts(self, w: advantages.Whitening) -> None:
+        """``.grad += scale * (P_adv - mean * P_one)``: the streamed policy-gradient part."""
+        pa, po = self._parts_value
+        self._first.partial += w.scale * (pa - w.mean * po)
+        for i, p in enumerate(self.params):
+            a, one = self._parts_adv[i], self._parts_one[i]
+            if a is None or one is None:
+                continue
+            part = (a - w.mean * one) * w.scale
+            p.grad = part if p.grad is None else p.grad + part
+
+    def _backward(self, entry: _Entry, adv: list[torch.Tensor], done: _Pass) -> None:
+        if entry.old is None:
+            raise RuntimeError(f"group {entry.group.prompt_index} was never scored")
+        scores = self._scores(entry)
+        obj = losses.objective(self.cfg, scores.logprobs, entry.old, adv, ref=entry.ref,
+                               entropy=scores.entropy)
+        obj.partial.backward()
+        done.add(float(obj.partial.detach()), obj.stats)
+
+    def _optimizer_step(self, batch: list[_Entry], done: _Pass,
+                        max_grad_norm: float) -> tuple[float | None, _Pass]:
+        """Reduce, divide by the mini-batch's denominator, clip, step.
+
+        Returns the gradient norm (None: no step taken) and the reduced sums, ``partial``
+        divided by the denominator: the mini-batch's loss.
+        """
+        reduced = _Pass.from_vector(self.reduce(self.params, done.vector()))
+        counts = sum((losses.AggCounts.of(e.lengths) for e in batch), losses.AggCounts())
+        denom = losses.denominator(self.cfg.loss_agg, counts, self.shape.max_new_tokens)
+        params = [p for p in self.params if p.grad is not None]
+        norm: float | None = None
+        if params and counts.tokens:
+            # Scaled after backward: HF's RMSNorm runs in float32 even in a float64 model, so
+            # scaling the loss instead would differ at ~1e-7 for reasons unrelated to streaming.
+            for p in params:
+                assert p.grad is not None
+                p.grad.mul_(1.0 / denom)
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+            self.optimizer.step()
+        # No gradient, no step: AdamW would still move weights on its moments alone.
+        self.optimizer.zero_grad(set_to_none=True)
+        reduced.partial /= denom
+        return norm, reduced
+
+    def _summary(self, entries: list[_Entry], final: dict[int, list[torch.Tensor]],
+                 loss_stats: TrainStats) -> dict[str, Any]:
+        data = response_stats([n for e in entries for n in e.lengths],
+                              [t for e in entries for t in e.group.truncated],
+                              [a for e in entries for a in final[e.group.prompt_index]])
+        out: dict[str, Any] = {**loss_stats.merge(data).summary()}
+        tokens = sum(e.tokens for e in entries)
+        backprop = self.cfg.updates_per_step * sum(e.tokens for e in entries if not e.silent)
+        # Decided by the same rule on every rank, so no rank needs another's flags.
+        streamed = sum(e.tokens for e in entries if not e.silent and self._would_stream(e))
+        if backprop:
+            out["streamed_fraction"] = streamed / backprop
+        out.update(tokens=tokens, samples=sum(len(e.lengths) for e in entries),
+                   groups=len(entries),
+                   reward_mean=sum(r for e in entries for r in e.group.rewards)
+                   / max(1, sum(len(e.lengths) for e in entries)))
+        return out
+
+    def _would_stream(self, entry: _Entry) -> bool:
+        """Whether the rank owning ``entry`` streamed it (the same rule, known everywhere)."""
+        first = entry.group.prompt_index * self.cfg.minibatches // self.shape.groups_per_step
+        return first == 0 and self._can_stream
