@@ -72,6 +72,12 @@ bench-control-plane: venv
 bench-wan: venv
 	$(BIN)/python -m benchmarks.wan
 
+.PHONY: bench-algorithms
+# Every algorithm (grpo ... gspo) end to end through REST on the embedded task: reward first-5
+# vs last-5 per algorithm
+bench-algorithms: venv
+	$(BIN)/python -m benchmarks.algorithms
+
 .PHONY: bench-paper
 # The paper's comparison, emulated GPU time on the real services; writes docs/results/
 bench-paper: venv
