@@ -47,10 +47,34 @@ class SeedingSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     window_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0  # fixed (or first) window
 
 
+Key = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]  # a dataset column
+DataPath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+# "math", "exact" or "python:<module>:<function>": the names are checked here, at submit;
+# whether the function imports is known only where the trainer's reward path is.
+RewardName = Annotated[str, msgspec.Meta(
+    pattern=r"^(math|exact|python:[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=512)]
+
+
+class DatasetSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    path: DataPath  # JSONL/JSON/Parquet/CSV file or dataset directory, as the trainer sees it
+    prompt_key: Key = "prompt"  # column holding the prompt string
+    answer_key: Key = "answer"  # column holding the answer the reward compares with
+    split: Key = "train"  # a split, or a slice such as "train[:90%]"
+
+
+class EvalSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    path: DataPath  # held-out prompts; never trained on
+    every: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10  # evaluate before these steps
+    prompt_key: Key = "prompt"
+    answer_key: Key = "answer"
+    split: Key = "train"
+
+
 class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Body of ``POST /v1/runs``; every field has a default, unknown fields are rejected."""
 
-    # "tiny" (the embedded model), an emu preset, or a path to an HF model directory
+    # "tiny" (the embedded model), "tiny-chat" (the embedded text model), an emu preset, or a
+    # path to an HF model directory
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] = "tiny"
     task: Literal["arith-seq"] = "arith-seq"
     # The RL objective (shared.algorithm); each knob below left out takes its paper default.
@@ -76,6 +100,13 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # Experiment trackers the trainer logs every step record to, offline, under the data dir.
     trackers: Annotated[list[Tracker], msgspec.Meta(max_length=3)] = msgspec.field(
         default_factory=list)
+    # Prompts (and answers) from a dataset instead of the built-in task; needs a model with a
+    # text tokenizer (not "tiny").
+    dataset: DatasetSpec | None = None
+    reward: RewardName | None = None  # with a dataset; None there means "math"
+    chat_template: bool | None = None  # None: use the tokenizer's template when it has one
+    system_prompt: Annotated[str, msgspec.Meta(max_length=65536)] | None = None
+    eval: EvalSpec | None = None  # held-out prompts generated every eval.every steps
     # --- algorithm knobs: None = the algorithm's default (AlgorithmConfig.for_run) ---
     clip_ratio_low: float | None = None  # ratio clipped below at 1 - this
     clip_ratio_high: float | None = None  # and above at 1 + this (DAPO's clip-higher)
@@ -93,6 +124,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         # A ValueError here is a validation error to msgspec's decoder: a bad combination of
         # knobs is a 422 at the REST boundary, like any other bad field.
         self.algorithm_config()
+        self._check_data()
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The objective this run trains with: knobs, paper defaults scaled to the run."""
@@ -105,6 +137,21 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
             max_new_tokens=self.max_new_tokens, groups_per_step=self.prompts_per_step)
         # DAPO's paper default; until the manager can generate replacement groups it is off.
         return cfg.with_(dynamic_sampling=False) if cfg.dynamic_sampling else cfg
+
+    def _check_data(self) -> None:
+        if self.dataset is None:
+            for name in ("reward", "eval", "system_prompt", "chat_template"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs a dataset (the built-in task "
+                                     f"{self.task!r} has its own reward and prompts)")
+        elif self.model == "tiny":
+            raise ValueError("model 'tiny' knows only the arith-seq task's 14 tokens; use "
+                             "'tiny-chat' or an HF model directory with a dataset")
+
+    @property
+    def reward_name(self) -> str:
+        """The reward a dataset run is scored with."""
+        return self.reward or "math"
 
 
 _ALGORITHM_FIELDS = ("algorithm", "clip_ratio_low", "clip_ratio_high", "loss_agg", "kl_coef",
@@ -236,6 +283,11 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     finish_reason: str
     instances: list[str]  # instances that contributed tokens, in order
     reward: float | None = None  # filled in from the trainer's step report
+    # Filled in from the report too, where the model has a tokenizer:
+    prompt: str | None = None  # the dataset's prompt string, before any template
+    prompt_text: str | None = None  # as fed to the model, template applied
+    response_text: str | None = None  # decoded, special tokens skipped: what the reward saw
+    answer: str | None = None  # the dataset's answer
 
 
 class Digest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -292,6 +344,16 @@ class SampleReward(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_index: int
     sample_index: int
     reward: float
+    response_text: str | None = None  # decoded response (None: the model has no tokenizer)
+
+
+class PromptText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One prompt of a step as text: sent once per prompt, not once per sample."""
+
+    prompt_index: int
+    prompt: str  # the dataset's string (the built-in task: its decoded tokens)
+    prompt_text: str  # as fed to the model
+    answer: str | None = None
 
 
 class StepFinish(Msg):
@@ -306,6 +368,10 @@ class StepFinish(Msg):
     publish_s: float = 0.0  # of train_s: uploading the new version to the weight service
     checkpoints: list[int] = []  # versions kept for the user after this step (save_every)
     stats: dict[str, float] = {}  # training statistics, names from STEP_STATS
+    prompts: list[PromptText] = []  # the step's prompts as text, where there is a tokenizer
+    reward_errors: int = 0  # reward calls that raised or timed out (each scored 0)
+    eval_reward_mean: float | None = None  # held-out prompts at this step's version, if due
+    eval_responses: int = 0  # how many held-out responses that mean is over
 
 
 # What a StepFinish's stats may hold; the manager copies these, and only these, into the step

@@ -98,6 +98,20 @@ def test_each_algorithm_is_accepted_with_its_defaults(manager: httpx.Client) -> 
     manager.post(f"/v1/runs/{resp.json()['id']}/cancel")
 
 
+@pytest.mark.parametrize("body, names", [
+    ({"model": "tiny-chat", "dataset": {"path": "d.jsonl"}, "reward": "maths"}, "reward"),
+    ({"model": "tiny-chat", "dataset": {"path": "d.jsonl"}, "reward": "python:mod"}, "reward"),
+    ({"model": "tiny-chat", "dataset": {"path": "d.jsonl", "text_key": "q"}}, "text_key"),
+    ({"reward": "math"}, "reward needs a dataset"),
+    ({"dataset": {"path": "d.jsonl"}}, "model 'tiny'"),
+])
+def test_bad_data_fields_are_422_naming_them(manager: httpx.Client, body: dict[str, object],
+                                             names: str) -> None:
+    resp = manager.post("/v1/runs", json=body)
+    assert resp.status_code == 422, resp.text
+    assert names in str(resp.json()["detail"])
+
+
 def test_the_openapi_document_describes_the_run_spec(manager: httpx.Client) -> None:
     doc = manager.get("/openapi.json").json()
     body = doc["paths"]["/v1/runs"]["post"]["requestBody"]["content"]["application/json"]
