@@ -50,6 +50,10 @@ class ManagerMetrics:
             "rlboost_step_seconds", "Wall time of a training step",
             buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600), registry=self.registry,
         )
+        self.reward_errors = Counter(
+            "rlboost_reward_errors_total", "Reward calls that raised or timed out (scored 0), "
+            "as the trainer reported them", registry=self.registry,
+        )
         self.handler_errors = Counter(
             "rlboost_handler_errors_total", "Bus handler failures (logged, not fatal)",
             ["subject"], registry=self.registry,

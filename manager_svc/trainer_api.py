@@ -32,6 +32,7 @@ from shared.protocol import (
     Digest,
     RunFailed,
     RunWarning,
+    Sample,
     StepFinish,
     StepRecord,
     StepRecordQuery,
@@ -154,6 +155,7 @@ class TrainerApi:
             return Ack(ok=False, detail="digest does not match the barrier's")
         samples = await self.ledger.done_samples(fin.run_id, fin.step)
         rewards = {(r.prompt_index, r.sample_index): r.reward for r in fin.rewards}
+        _add_text(samples, fin)
         for s in samples:
             s.reward = rewards.get((s.prompt_index, s.sample_index))
         info = await self.redis.hgetall(Keys.step(fin.run_id, fin.step))
@@ -180,7 +182,13 @@ class TrainerApi:
             **{k: int(info.get(k, 0)) for k in LIVE_COUNTERS},
             # The trainer's statistics: only known names, never over a field of the above.
             **{k: v for k, v in fin.stats.items() if k in STEP_STATS and math.isfinite(v)},
+            "reward_errors": fin.reward_errors,
         }
+        if fin.eval_reward_mean is not None:
+            record["eval_reward_mean"] = fin.eval_reward_mean
+            record["eval_responses"] = fin.eval_responses
+        if fin.reward_errors:
+            self.metrics.reward_errors.inc(fin.reward_errors)
         await self.runs.finish_step(fin.run_id, fin.step, record,
                                     msgspec.json.encode(samples).decode(), run["steps"],
                                     fin.checkpoints)
@@ -223,3 +231,14 @@ class TrainerApi:
         if await self.redis.get(Keys.active) == msg.run_id:
             await self.redis.delete(Keys.active)
         return Ack()
+
+
+def _add_text(samples: list[Sample], fin: StepFinish) -> None:
+    """The report's prompt and response texts onto the samples the samples endpoint serves."""
+    prompts = {p.prompt_index: p for p in fin.prompts}
+    texts = {(r.prompt_index, r.sample_index): r.response_text for r in fin.rewards}
+    for s in samples:
+        p = prompts.get(s.prompt_index)
+        if p is not None:
+            s.prompt, s.prompt_text, s.answer = p.prompt, p.prompt_text, p.answer
+        s.response_text = texts.get((s.prompt_index, s.sample_index))

@@ -239,6 +239,16 @@ class TrainerConfig(Settings):
     poll_s: float = setting(
         "RLBOOST_TRAINER_POLL_S", 0.5, "how often the trainer polls for work and for the "
         "barrier", ge=0.01)
+    reward_path: str = setting(
+        "RLBOOST_REWARD_PATH", "", "colon-separated directories python:<module>:<function> "
+        "rewards are imported from (before installed packages)")
+    reward_timeout_s: float = setting(
+        "RLBOOST_REWARD_TIMEOUT_S", 10.0, "a reward call running longer scores 0 and counts as "
+        "a reward error", gt=0.0)
+
+    @property
+    def reward_dirs(self) -> list[str]:
+        return [d for d in self.reward_path.split(":") if d]
 
     @field_validator("trainer_id")
     @classmethod

@@ -167,6 +167,8 @@ def _read(spec: DatasetSpec, cache_dir: Path | None, allow_hub: bool) -> Any:
     local = Path(spec.path).expanduser()
     cache = str(cache_dir) if cache_dir is not None else None
     if local.is_file():
+        if local.stat().st_size == 0:  # datasets' own error for it says only "StopIteration"
+            raise DatasetError(spec.path, "the dataset is empty (the file has no bytes)")
         builder = FORMATS.get(local.suffix.lower())
         if builder is None:
             raise DatasetError(spec.path, f"unsupported format {local.suffix or '(no suffix)'!r};"

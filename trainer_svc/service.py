@@ -36,6 +36,7 @@ from shared.process import cancel_and_wait
 from shared.protocol import (
     STEP_STATS,
     Digest,
+    PromptText,
     RunSpec,
     Sample,
     SampleReward,
@@ -45,7 +46,6 @@ from shared.protocol import (
 )
 from shared.settings import reveal
 from shared.weights import upload_version
-from trainer_svc import task
 from trainer_svc.errors import RunAborted
 from trainer_svc.manager_client import ManagerClient
 from trainer_svc.policies import Policy, make_policy
@@ -53,6 +53,7 @@ from trainer_svc.saved import keep_saved
 from trainer_svc.step_feed import StepEvents, StepFeed
 from trainer_svc.step_trainer import Group
 from trainer_svc.trackers import Trackers
+from trainer_svc.workload import EvalResult, StepPrompt, Workload, open_workload
 
 log = logging.getLogger("trainer")
 
@@ -62,12 +63,16 @@ class ActiveTraining:
     run_id: str
     spec: RunSpec
     policy: Policy
+    workload: Workload  # the step's prompts and how responses score
     version: int  # the checkpoint's weight version: the step it can train next
     trained: dict[int, list[Sample]] = field(default_factory=dict)  # this step's, by prompt
+    texts: dict[int, list[str | None]] = field(default_factory=dict)  # responses, by prompt
+    reward_errors: int = 0  # this step's failed reward calls
+    prompts: list[StepPrompt] = field(default_factory=list)  # this step's
     trackers: Trackers = field(default_factory=lambda: Trackers({}))
 
-    def begin_step(self) -> None:
-        self.trained = {}
+    def begin_step(self, prompts: list[StepPrompt]) -> None:
+        self.trained, self.texts, self.reward_errors, self.prompts = {}, {}, 0, prompts
         self.policy.reset()
 
     def trained_samples(self) -> list[Sample]:
@@ -106,6 +111,8 @@ class TrainerService:
                                    registry=self.registry)
         self.reward = Gauge("rlboost_trainer_reward_mean", "Mean reward of the last step",
                             registry=self.registry)
+        self.reward_errors = Counter("rlboost_trainer_reward_errors_total", "Reward calls that "
+                                     "raised or timed out (scored 0)", registry=self.registry)
         self.manager: ManagerClient
 
     async def run(self) -> None:
@@ -187,19 +194,29 @@ class TrainerService:
 
     async def _setup(self, run_id: str, spec: RunSpec) -> ActiveTraining:
         common = self.cfg.common
+        # Data and reward first: a spec naming a missing file or function fails in seconds,
+        # not after a model build.
+        workload = await open_workload(spec, common.data_dir, self.cfg.reward_dirs,
+                                       self.cfg.reward_timeout_s)
         try:
-            policy = await asyncio.to_thread(make_policy, spec, common.data_dir,
-                                             common.data_dir / "trainer" / run_id,
-                                             common.emu_time_scale)
-        except ValueError as exc:
-            raise RunAborted(str(exc)) from exc
+            try:
+                policy = await asyncio.to_thread(make_policy, spec, common.data_dir,
+                                                 common.data_dir / "trainer" / run_id,
+                                                 common.emu_time_scale)
+            except ValueError as exc:
+                raise RunAborted(str(exc)) from exc
+            await asyncio.to_thread(workload.use_model, policy.checkpoints.base_dir,
+                                    policy.reward)
+        except BaseException:
+            await workload.close()
+            raise
         version = await asyncio.to_thread(policy.restore)
         trackers, warnings = await asyncio.to_thread(
             Trackers.open, list(spec.trackers), common.data_dir / "trackers" / run_id, run_id,
             msgspec.to_builtins(spec))
         for warning in warnings:
             await self.manager.warn(run_id, warning)
-        run = ActiveTraining(run_id, spec, policy, version, trackers=trackers)
+        run = ActiveTraining(run_id, spec, policy, workload, version, trackers=trackers)
         await self._publish(run, version)
         log.info("run %s: model %s at version %d", run_id, spec.model, version)
         return run
@@ -213,12 +230,14 @@ class TrainerService:
             return
         if run.version < step:
             raise RunAborted(f"checkpoint v{run.version} is behind the run's step {step}")
-        prompts = task.make_prompts(run.spec.seed, step, run.spec.prompts_per_step)
+        prompts = run.workload.prompts(step)
         await self.manager.start_step(StepStart(
-            run_id=run.run_id, step=step, weight_version=step, prompt_token_ids=prompts,
-            eos_token_id=run.policy.eos_id, vocab_size=run.policy.vocab_size))
+            run_id=run.run_id, step=step, weight_version=step,
+            prompt_token_ids=[p.token_ids for p in prompts],
+            eos_token_id=run.workload.eos_token_id, vocab_size=run.policy.vocab_size))
         clock = StepClock()
-        run.begin_step()
+        run.begin_step(prompts)
+        evaluated = await self._evaluate(run, step, clock)
         feed = StepFeed(self.manager, self.events, run.run_id, step, self.cfg.poll_s)
         async for prompt_index, group in feed.groups():  # as they complete, then the rest
             with clock.busy():
@@ -226,7 +245,7 @@ class TrainerService:
         trained = self._check_barrier(run, feed.digest)
         with clock.busy():
             stats = await asyncio.to_thread(run.policy.step, step)  # the optimizer step
-            report = self._step_report(run, step, trained, stats)
+            report = self._step_report(run, step, trained, stats, evaluated)
             await self._checkpoint(run, report)
             published = time.monotonic()
             await self._publish(run, report.new_version)
@@ -243,8 +262,13 @@ class TrainerService:
                            group: list[Sample]) -> None:
         """Score one group and accumulate its gradients (advantages are relative within it)."""
         group = sorted(group, key=lambda s: s.sample_index)
-        for s in group:
-            s.reward = run.policy.reward(s.prompt_token_ids, s.response_token_ids)
+        scored = await run.workload.score(run.prompts[prompt_index],
+                                          [s.response_token_ids for s in group])
+        for s, reward in zip(group, scored.rewards, strict=True):
+            s.reward = reward
+        run.texts[prompt_index] = scored.texts
+        run.reward_errors += scored.errors
+        self.reward_errors.inc(scored.errors)
         await asyncio.to_thread(run.policy.add_group, Group(
             prompt_index=prompt_index, prompts=[s.prompt_token_ids for s in group],
             responses=[s.response_token_ids for s in group],
@@ -261,15 +285,32 @@ class TrainerService:
             raise RuntimeError("barrier digest differs from the samples trained on")
         return trained
 
+    async def _evaluate(self, run: ActiveTraining, step: int,
+                        clock: StepClock) -> EvalResult | None:
+        """Held-out prompts on version ``step``, when due; overlaps the step's rollout."""
+        if not run.workload.eval_due(step):
+            return None
+        with clock.busy():
+            result = await run.workload.evaluate(step, run.policy.checkpoints.hf_dir(step))
+        self.reward_errors.inc(result.errors)
+        return result
+
     @staticmethod
     def _step_report(run: ActiveTraining, step: int, trained: list[Sample],
-                     stats: dict[str, Any]) -> StepFinish:
+                     stats: dict[str, Any], evaluated: EvalResult | None) -> StepFinish:
         rewards = [SampleReward(prompt_index=s.prompt_index, sample_index=s.sample_index,
-                                reward=float(s.reward or 0.0)) for s in trained]
+                                reward=float(s.reward or 0.0),
+                                response_text=run.texts[s.prompt_index][s.sample_index])
+                   for s in trained]
+        texts = [PromptText(prompt_index=i, prompt=p.prompt, prompt_text=p.prompt_text,
+                            answer=p.answer) for i, p in enumerate(run.prompts)]
         return StepFinish(
             run_id=run.run_id, step=step, new_version=step + 1, digest=sample_digest(trained),
-            rewards=rewards, loss=float(stats.get("loss", 0.0)), train_s=0.0,
+            rewards=rewards, loss=float(stats.get("loss", 0.0)), train_s=0.0, prompts=texts,
             stats={k: float(v) for k, v in stats.items() if k in STEP_STATS},
+            reward_errors=run.reward_errors + (evaluated.errors if evaluated else 0),
+            eval_reward_mean=evaluated.reward_mean if evaluated else None,
+            eval_responses=evaluated.responses if evaluated else 0,
         )
 
     async def _checkpoint(self, run: ActiveTraining, report: StepFinish) -> None:
@@ -315,6 +356,7 @@ class TrainerService:
         """Forget the active run; its trackers are flushed and closed."""
         if self.active is not None:
             await asyncio.to_thread(self.active.trackers.close, finished)
+            await self.active.workload.close()
         self.active = None
 
     async def _report(self, report: StepFinish) -> None:

@@ -26,6 +26,7 @@ from trainer_svc.policies.distributed import DistributedPolicy, channel
 from trainer_svc.policies.emu import PRESETS, ComputeModel, EmuPolicy
 from trainer_svc.policies.torch_policy import TorchPolicy
 from trainer_svc.step_trainer import RunShape
+from trainer_svc.tiny_chat import build_tiny_chat
 
 __all__ = [
     "PRESETS",
@@ -50,11 +51,13 @@ def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
     seed = spec.seed
     if name == "tiny":
         model_dir = build_tiny(data_dir, seed)
+    elif name == "tiny-chat":
+        model_dir = build_tiny_chat(data_dir, seed)
     else:
         model_dir = Path(name)
         if not (model_dir / "config.json").is_file():
-            raise ValueError(f"model {name!r} is neither 'tiny', an emu preset, nor an HF "
-                             "model directory")
+            raise ValueError(f"model {name!r} is neither 'tiny', 'tiny-chat', an emu preset, "
+                             "nor an HF model directory")
     learning_rate = spec.learning_rate
     algorithm = spec.algorithm_config()
     shape = RunShape(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
