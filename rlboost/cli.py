@@ -65,9 +65,10 @@ class Progress:
         alive = sum(1 for i in instances if i.get("state") in ("ready", "loading", "starting"))
         for rec in steps[self.shown:]:
             rate = rec["tokens"] / rec["step_s"] if rec["step_s"] > 0 else 0.0
+            held_out = f"  eval {rec['eval_reward_mean']:.3f}" if "eval_reward_mean" in rec else ""
             print(f"step {rec['step'] + 1:>3}/{run['steps']}  reward {rec['reward_mean']:.3f}  "
                   f"tokens {rec['tokens']:>5}  {rate:7.0f} tok/s  step {rec['step_s']:5.2f}s  "
-                  f"instances {alive}  migrations {rec['migrations']}", flush=True)
+                  f"instances {alive}  migrations {rec['migrations']}{held_out}", flush=True)
         self.shown = len(steps)
         run["_steps"] = steps
         return run
@@ -84,6 +85,10 @@ class Progress:
         print(f"  mean reward, first {k} steps: {first:.3f}")
         print(f"  mean reward, last {k} steps:  {last:.3f}   (change {last - first:+.3f})")
         print(f"  tokens trained: {tokens}   responses: {sum(s['responses'] for s in steps)}")
+        evals = [f"{s['step']}:{s['eval_reward_mean']:.3f}" for s in steps
+                 if "eval_reward_mean" in s]
+        if evals:
+            print(f"  eval reward (before step): {' '.join(evals)}")
         for key in ("migrations", "preemptions", "duplicate_chunks_dropped",
                     "stale_chunks_rejected", "tokens_regenerated"):
             print(f"  {key}: {sum(s[key] for s in steps)}")
