@@ -145,3 +145,20 @@ async def test_the_built_in_task_keeps_its_prompts_and_reward(tmp_path: Path) ->
     scored = await work.score(prompts[0], [ref])
     assert scored.rewards == [1.0] and work.eos_token_id == task.EOS_ID
     assert not work.eval_due(0)
+
+
+async def test_eval_is_due_every_n_steps_and_samples_the_given_weights(
+        model_dir: Path, tmp_path: Path) -> None:
+    held_out = write_jsonl(tmp_path / "held-out.jsonl",
+                           [{"prompt": f"What is {i} plus 1?", "answer": f"#### {i + 1}"}
+                            for i in range(5)])
+    work = await open_(spec(eval={"path": str(held_out), "every": 3}, max_new_tokens=4),
+                       tmp_path)
+    try:
+        work.use_model(model_dir, task.reward)
+        assert [s for s in range(7) if work.eval_due(s)] == [0, 3, 6]
+        first = await work.evaluate(3, model_dir)
+        assert first.responses == 5 and 0.0 <= first.reward_mean <= 1.0 and first.errors == 0
+        assert await work.evaluate(3, model_dir) == first  # seeded by (run seed, step)
+    finally:
+        await work.close()
