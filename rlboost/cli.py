@@ -107,7 +107,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 for name in ("manager", "weights", "nats", "redis")}
         print("  " + "  ".join(f"{name} {url}" for name, url in urls.items()), flush=True)
         print(f"  dashboard {urls['manager']}/ui/   (or: rlboost watch RUN_ID)", flush=True)
-        body: dict[str, Any] = {"seed": args.seed, **spec_body(args)}
+        body: dict[str, Any] = {"seed": 0, **spec_body(args)}
+        if args.seed is not None:  # given on the command line: it beats a spec file's seed
+            body["seed"] = args.seed
         if args.steps:
             body["steps"] = args.steps
         with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], headers=_headers(),
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start everything on the embedded stack and run one RL run")
-    up.add_argument("--seed", type=int, default=0)
+    up.add_argument("--seed", type=int, default=None, help="default: the spec's, else 0")
     up.add_argument("--steps", type=int, default=0, help="0 = the run spec's default")
     up.add_argument("--spot", type=int, default=2)
     up.add_argument("--reserved", type=int, default=1)
