@@ -54,6 +54,7 @@ class RunStore:
         self.retention_ms = max(1, int(retention_s * 1000))
         self.max_queued = max_queued
         self._activate = register(redis, "activate.lua")
+        self._enqueue = register(redis, "enqueue.lua")
 
     async def create(self, spec: RunSpec) -> dict[str, Any]:
         run_id = "run-" + uuid.uuid4().hex[:12]
@@ -62,15 +63,12 @@ class RunStore:
                   "spec": encode(spec).decode(), "created_at": now, "updated_at": now,
                   "error": ""}
         # The queue holds queued runs only (a cancel takes its run out), so its length is the
-        # count; two creations racing past the check queue one run over the limit at most.
-        if await self.r.llen(Keys.queue) >= self.max_queued:
+        # count; the check and the writes are one script, so racing POSTs never pass the limit.
+        fields = [str(x) for kv in record.items() for x in kv]
+        if not await self._enqueue(keys=[Keys.run(run_id), Keys.runs, Keys.queue],
+                                   args=[self.max_queued, run_id, repr(now), *fields]):
             raise QueueFull(f"{self.max_queued} runs are queued already "
                             "(RLBOOST_MAX_QUEUED_RUNS); retry when one has started")
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(Keys.run(run_id), mapping=record)
-        pipe.zadd(Keys.runs, {run_id: now})
-        pipe.rpush(Keys.queue, run_id)
-        await pipe.execute()
         return await self.get(run_id) or {}
 
     async def get(self, run_id: str) -> dict[str, Any] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -11,18 +12,23 @@ from shared.stack import Stack
 from tests.support.manager import running_manager
 
 LIMIT = 3
+RACERS = 16  # concurrent POSTs against a queue with room for LIMIT
+
+
+def start_first_run(client: httpx.Client) -> None:
+    """The manager makes the first run the running one at once; no trainer ever starts its
+    step, so it runs on and every later run stays queued."""
+    first = client.post("/v1/runs", json={"steps": 1}).json()["id"]
+    end = time.monotonic() + 10
+    while client.get(f"/v1/runs/{first}").json()["state"] != "running":
+        assert time.monotonic() < end, "the first run never started"
+        time.sleep(0.05)
 
 
 def test_queue_past_its_limit_is_429_naming_the_setting(brokers: Stack, tmp_path: Path) -> None:
     env = {"RLBOOST_MAX_QUEUED_RUNS": str(LIMIT)}
     with running_manager(brokers, tmp_path, env) as client:
-        # The manager makes the first run the running one at once; no trainer ever starts
-        # its step, so it runs on and every later run stays queued.
-        first = client.post("/v1/runs", json={"steps": 1}).json()["id"]
-        end = time.monotonic() + 10
-        while client.get(f"/v1/runs/{first}").json()["state"] != "running":
-            assert time.monotonic() < end, "the first run never started"
-            time.sleep(0.05)
+        start_first_run(client)
         queued = [client.post("/v1/runs", json={"steps": 1}) for _ in range(LIMIT)]
         assert [r.status_code for r in queued] == [201] * LIMIT
         refused = client.post("/v1/runs", json={"steps": 1})
@@ -31,6 +37,28 @@ def test_queue_past_its_limit_is_429_naming_the_setting(brokers: Stack, tmp_path
         # A cancelled run leaves the queue: there is room again.
         client.post(f"/v1/runs/{queued[0].json()['id']}/cancel")
         assert client.post("/v1/runs", json={"steps": 1}).status_code == 201
+
+
+async def post_at_once(base_url: str, count: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        return list(await asyncio.gather(
+            *(client.post("/v1/runs", json={"steps": 1}) for _ in range(count))))
+
+
+def test_concurrent_posts_never_queue_past_the_limit(brokers: Stack, tmp_path: Path) -> None:
+    """The check and the enqueue are one step: POSTs in flight together still queue LIMIT
+    runs at most, and every other one is a 429 naming the setting."""
+    env = {"RLBOOST_MAX_QUEUED_RUNS": str(LIMIT)}
+    with running_manager(brokers, tmp_path, env) as client:
+        start_first_run(client)
+        answers = asyncio.run(post_at_once(str(client.base_url), RACERS))
+        codes = sorted(r.status_code for r in answers)
+        assert codes == [201] * LIMIT + [429] * (RACERS - LIMIT), codes
+        for refused in (r for r in answers if r.status_code == 429):
+            assert "RLBOOST_MAX_QUEUED_RUNS" in refused.json()["detail"]
+        states = [r["state"] for r in client.get("/v1/runs").json()]
+        assert states.count("queued") == LIMIT, states
+        assert len(states) == LIMIT + 1  # a refused POST leaves no run behind
 
 
 def page_through(client: httpx.Client, limit: int) -> list[list[str]]:
