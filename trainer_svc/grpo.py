@@ -71,12 +71,13 @@ def response_logprobs(
     prompts: list[list[int]],
     responses: list[list[int]],
     pad_id: int,
+    temperature: float = 1.0,
 ) -> list[torch.Tensor]:
-    """Log-prob of each response token given its prompt and the response tokens before it.
-
-    At temperature 1; see :func:`trainer_svc.algorithms.logprobs.response_scores`.
+    """Log-prob of each response token given its prompt and the response tokens before it,
+    under the tempered distribution the engines sample from; see
+    :func:`trainer_svc.algorithms.logprobs.response_scores`.
     """
-    return logprobs.response_logprobs(model, prompts, responses, pad_id)
+    return logprobs.response_logprobs(model, prompts, responses, pad_id, temperature)
 
 
 def grpo_token_loss_sum(
@@ -125,6 +126,11 @@ class GrpoAccumulator:
     ``no_grad``) equal the new ones and every ratio is 1. The general clipped form is kept so
     that a caller with engine-side old log-probs, or several optimizer steps per rollout,
     gets the right objective.
+
+    Both are scored at ``temperature``, the run's sampling temperature (the engines draw from
+    ``softmax(logits / T)``: at T != 1 the gradient of the untempered log-probs is that of
+    another policy), and with dropout off whatever mode the model is in (a ratio of two dropout
+    masks is noise, not 1); see :mod:`trainer_svc.algorithms.logprobs`.
     """
 
     def __init__(
@@ -134,8 +140,10 @@ class GrpoAccumulator:
         clip_eps: float = DEFAULT_CLIP_EPS,
         pad_id: int = 0,
         clip_eps_high: float | None = None,
+        temperature: float = 1.0,
     ) -> None:
         self.model = model
+        self.temperature = temperature
         self.optimizer = optimizer
         self.clip_eps = clip_eps
         self.clip_eps_high = clip_eps_high
@@ -167,12 +175,16 @@ class GrpoAccumulator:
         loss_value = 0.0
         # A zero-advantage group contributes exactly zero gradient: skip both forwards.
         if tokens and bool(torch.any(adv != 0)):
-            if old_logprobs is None:
-                with torch.no_grad():
-                    old_logprobs = response_logprobs(self.model, prompts, responses, self.pad_id)
-            new = response_logprobs(self.model, prompts, responses, self.pad_id)
-            loss, _ = grpo_token_loss_sum(new, old_logprobs, adv, self.clip_eps, self.clip_eps_high)
-            loss.backward()
+            with logprobs.dropout_off(self.model):
+                if old_logprobs is None:
+                    with torch.no_grad():
+                        old_logprobs = response_logprobs(self.model, prompts, responses,
+                                                         self.pad_id, self.temperature)
+                new = response_logprobs(self.model, prompts, responses, self.pad_id,
+                                        self.temperature)
+                loss, _ = grpo_token_loss_sum(new, old_logprobs, adv, self.clip_eps,
+                                              self.clip_eps_high)
+                loss.backward()
             loss_value = float(loss.detach())
         self.tokens += tokens
         self.samples += len(responses)
