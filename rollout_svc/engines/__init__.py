@@ -31,6 +31,8 @@ from rollout_svc.engines.base import (
     check_request,
     finish_reason,
     finished_on_arrival,
+    generation_eos_ids,
+    with_stops,
 )
 
 __all__ = [
@@ -45,6 +47,8 @@ __all__ = [
     "create_engine",
     "finish_reason",
     "finished_on_arrival",
+    "generation_eos_ids",
+    "with_stops",
 ]
 
 ENGINE_NAMES = ("torch", "emu", "sglang")

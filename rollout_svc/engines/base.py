@@ -16,6 +16,10 @@ Contract every engine keeps:
   request resumed after k tokens emits positions k, k+1, ...; EOS is emitted as the last token
   with finish reason ``"stop"``, and the token at position ``max_new_tokens - 1`` ends with
   ``"length"``.
+* **Every EOS stops.** EOS is ``eos_token_id`` or any of ``stop_token_ids``: at ``add`` the engine
+  puts there the ``eos_token_id`` of the loaded model's ``generation_config.json``
+  (:func:`generation_eos_ids`; chat models list their end-of-turn token there beside the
+  tokenizer's EOS), so a chat model's turn ends where the model ends it.
 * **Already finished on arrival.** A request whose committed tokens end in EOS or fill the
   budget generates nothing: its only event re-states the last committed token with
   ``finished=True``, so the caller learns it is complete (the manager drops the token itself
@@ -28,6 +32,8 @@ Contract every engine keeps:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +56,7 @@ class GenRequest:
     sample_index: int  # fourth coordinate (the position is the fifth)
     eos_token_id: int  # sampling it ends the response with finish reason "stop"
     weight_version: int  # must equal the engine's loaded version (on-policy guard)
+    stop_token_ids: frozenset[int] = frozenset()  # more ids that end it as EOS does ("stop")
 
 
 @dataclass(slots=True)
@@ -95,11 +102,30 @@ class Engine(Protocol):
 
 def finish_reason(req: GenRequest, token_id: int, position: int) -> FinishReason | None:
     """Why the response ends at this token, or None if it goes on."""
-    if token_id == req.eos_token_id:
+    if token_id == req.eos_token_id or token_id in req.stop_token_ids:
         return "stop"
     if position + 1 >= req.max_new_tokens:
         return "length"
     return None
+
+
+def generation_eos_ids(model_dir: Path) -> frozenset[int]:
+    """The ``eos_token_id`` of ``model_dir/generation_config.json`` (an int or a list of them);
+    empty when there is no such file or field."""
+    try:
+        config = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return frozenset()
+    value = config.get("eos_token_id") if isinstance(config, dict) else None
+    ids = value if isinstance(value, list) else [value]
+    return frozenset(i for i in ids if type(i) is int and i >= 0)
+
+
+def with_stops(req: GenRequest, stops: frozenset[int]) -> GenRequest:
+    """``req`` that also ends on ``stops`` (the loaded model's EOS ids)."""
+    if stops <= req.stop_token_ids:
+        return req
+    return dataclasses.replace(req, stop_token_ids=req.stop_token_ids | stops)
 
 
 def finished_on_arrival(req: GenRequest) -> TokenEvent | None:

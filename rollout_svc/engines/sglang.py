@@ -9,7 +9,10 @@ one it starts itself (``python -m sglang.launch_server`` on a free loopback port
 * **Streaming.** Each request is one streamed ``POST /generate`` with ``input_ids`` = prompt +
   committed tokens, so a migrated response resumes after its committed tokens (re-prefilled), and
   ``max_new_tokens`` = what is left of the budget. Output token ids become events at positions
-  that count committed tokens. EOS is passed as ``stop_token_ids`` and arrives as the last token.
+  that count committed tokens. Every EOS id (the request's and the ``generation_config.json``
+  ones of the loaded version) is passed as ``stop_token_ids`` and arrives as the last token. The
+  prompt ids are the trainer's, chat template applied: the server never sees text (it runs with
+  ``--skip-tokenizer-init``), so nothing is templated or tokenized twice.
 * **Abort** drops the request's stream and sends ``POST /abort_request`` with its rid; after
   ``abort`` returns no event for it leaves ``step()``.
 * **Weights.** ``load`` refuses under queued or active work (like every engine), then
@@ -59,6 +62,8 @@ from rollout_svc.engines.base import (
     check_request,
     finish_reason,
     finished_on_arrival,
+    generation_eos_ids,
+    with_stops,
 )
 from shared.stack import free_port
 
@@ -96,6 +101,7 @@ class SGLangEngine:
         self._owned: subprocess.Popen[bytes] | None = None
         self._healthy = False
         self._loaded: tuple[str, int] | None = None
+        self._stops: frozenset[int] = frozenset()  # the loaded model's EOS ids
         # Shared between the caller's threads and the stream loop; _ready wakes step().
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -135,6 +141,7 @@ class SGLangEngine:
                 self._swap(client, Path(model_dir), version)
         except httpx.HTTPError as exc:
             raise EngineError(f"sglang at {self.url}: {type(exc).__name__}: {exc}") from None
+        self._stops = generation_eos_ids(Path(model_dir))
         self._loaded = (run_id, version)
 
     def _swap(self, client: httpx.Client, model_dir: Path, version: int) -> None:
@@ -189,6 +196,7 @@ class SGLangEngine:
 
     def add(self, req: GenRequest) -> None:
         check_request(req, self._loaded)
+        req = with_stops(req, self._stops)
         done = finished_on_arrival(req)
         ticket = object()
         with self._lock:
@@ -328,8 +336,9 @@ class SGLangEngine:
             finally:
                 if self._current_rid.get(req.request_id) == rid:
                     del self._current_rid[req.request_id]
-            # The stream ended short of EOS and budget: SGLang stopped on a stop token of the
-            # model's own (generation_config). Go on from here; no progress at all is a fault.
+            # The stream ended short of EOS and budget (every EOS id of generation_config is a
+            # stop of ours too, so a server that stops on some other token of its own): go on
+            # from here; no progress at all is a fault.
             if position == before:
                 failures += 1
                 if failures >= STREAM_RETRIES:
@@ -347,6 +356,7 @@ class SGLangEngine:
     async def _generate(self, rid: str, tokens: list[int], req: GenRequest, position: int
                         ) -> AsyncGenerator[int, None]:
         """The new output token ids of one streamed /generate, in order."""
+        stops = sorted({req.eos_token_id, *req.stop_token_ids})
         body = {
             "rid": rid,
             "input_ids": tokens,
@@ -359,7 +369,7 @@ class SGLangEngine:
                 "top_p": 1.0,
                 "top_k": -1,
                 "min_p": 0.0,
-                "stop_token_ids": [req.eos_token_id],
+                "stop_token_ids": stops,
             },
         }
         seen = 0
@@ -391,8 +401,8 @@ class SGLangEngine:
                     raise _StreamError(f"aborted by the server: {last_reason}", retryable=True)
         # A server that trims the matched stop token from output_ids still says so here.
         if isinstance(last_reason, dict) and last_reason.get("type") == "stop" \
-                and last_reason.get("matched") == req.eos_token_id:
-            yield req.eos_token_id
+                and last_reason.get("matched") in stops:
+            yield int(last_reason["matched"])
 
 
 def _json(resp: httpx.Response) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from rollout_svc.engines.base import (
     check_request,
     finish_reason,
     finished_on_arrival,
+    generation_eos_ids,
+    with_stops,
 )
 from shared.sampling import pick, uniform
 
@@ -93,6 +95,7 @@ class TorchEngine:
         self.dtype = resolved
         self._model: Any = None  # a transformers PreTrainedModel; untyped upstream
         self._loaded: tuple[str, int] | None = None
+        self._stops: frozenset[int] = frozenset()  # the loaded model's EOS ids
         self._inbox = Inbox()
         self._queue: deque[GenRequest] = deque()
         self._wave: _Wave | None = None
@@ -112,6 +115,7 @@ class TorchEngine:
                 raise EngineError("cannot swap weights under queued or active requests")
             if self._model is None or not self._swap_in_place(Path(model_dir)):
                 self._model = self._full_load(Path(model_dir))
+            self._stops = generation_eos_ids(Path(model_dir))
             self._loaded = (run_id, version)
 
     def _full_load(self, model_dir: Path) -> Any:
@@ -154,7 +158,7 @@ class TorchEngine:
 
     def add(self, req: GenRequest) -> None:
         check_request(req, self._loaded)
-        self._inbox.put(req)
+        self._inbox.put(with_stops(req, self._stops))
 
     def abort(self, request_id: str) -> None:
         self._inbox.abort(request_id)

@@ -3,7 +3,9 @@
 The stand-in runs as a real process on a free port and records every call, so each test checks
 both what the engine emits and what it sent: input_ids = prompt + committed tokens and the
 remaining budget on resume, abort_request with the stream's rid, pause -> update_weights_from_disk
-(model_path, weight_version) -> continue on load, and EngineError for each way a server fails.
+(model_path, weight_version) -> continue on load, and EngineError for each way a server fails;
+every EOS id of the loaded version's generation_config as a stop token, and a chat-templated
+prompt passed through as input_ids, never as text.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from rollout_svc.engines import EngineError, GenRequest, TokenEvent
 from rollout_svc.engines.sglang import SGLangEngine
 from shared.stack import free_port, wait_port
 from tests.support.sglang_standin import VOCAB
+from trainer_svc.chat import ChatFormat
+from trainer_svc.tiny_chat import train_tokenizer
 
 EOS = 2
 
@@ -139,6 +143,35 @@ def test_resume_sends_prompt_plus_committed_and_remaining_budget(
     assert sent[0]["sampling_params"]["max_new_tokens"] == 5
     assert sent[0]["sampling_params"]["stop_token_ids"] == [EOS]
     assert sent[0]["stream"] is True and sent[0]["rid"].startswith("r.")
+
+
+def test_every_generation_config_eos_is_a_stop_token(
+        engine: SGLangEngine, standin: tuple[str, Path]) -> None:
+    url, root = standin
+    chat = model_dir(root, "chat", 0)
+    (chat / "generation_config.json").write_text(json.dumps({"eos_token_id": [10, 5]}))
+    engine.load(chat, "run", 1)
+    engine.add(req("turn", [7], budget=20, version=1))  # 8, 9, then 10: the end of its turn
+    engine.add(req("moved", [3], committed=[4, 5], version=1))  # ended at an EOS, then moved
+    out = run_all(engine)
+    assert [(e.token_id, e.position, e.finish_reason) for e in out["turn"]] == [
+        (8, 0, None), (9, 1, None), (10, 2, "stop")]
+    assert [(e.token_id, e.position, e.finish_reason) for e in out["moved"]] == [(5, 1, "stop")]
+    sent = calls(url, "/generate")
+    assert [s["sampling_params"]["stop_token_ids"] for s in sent] == [[EOS, 5, 10]]
+    assert sent[0]["input_ids"] == [7] and sent[0]["sampling_params"]["max_new_tokens"] == 20
+
+
+def test_a_chat_templated_prompt_goes_as_input_ids(
+        engine: SGLangEngine, standin: tuple[str, Path]) -> None:
+    tokenizer = train_tokenizer()
+    rendered = ChatFormat(tokenizer, system_prompt="Answer briefly.").render("What is 2 + 3?")
+    assert rendered.prompt in rendered.prompt_text != rendered.prompt  # the template wrote
+    engine.add(req("chat", rendered.prompt_token_ids, budget=2, eos=NEVER))
+    assert len(run_all(engine)["chat"]) == 2
+    [sent] = calls(standin[0], "/generate")
+    assert sent["input_ids"] == rendered.prompt_token_ids and "text" not in sent
+    assert tokenizer.decode(sent["input_ids"]) == rendered.prompt_text
 
 
 def test_finished_on_arrival_sends_nothing(engine: SGLangEngine, standin: tuple[str, Path]

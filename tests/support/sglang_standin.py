@@ -18,7 +18,9 @@ refused with 400, as SGLang's dataclass validation does, so a misspelt field fai
 The "model" is deterministic: next token = (last input or output token + 1 + shift) % VOCAB,
 where ``shift`` is ``standin_shift`` in the model directory's ``config.json`` — so a test sees
 which weights generated a token. Generation stops at a stop token (EOS included in
-``output_ids``, as SGLang does) or at ``max_new_tokens``.
+``output_ids``, as SGLang does): one of the request's ``stop_token_ids`` or, as SGLang's
+scheduler adds the model's own, an ``eos_token_id`` of the model directory's
+``generation_config.json``; or at ``max_new_tokens``.
 
 Test hooks, not SGLang: ``GET /_standin/calls`` (every call with its JSON body, in order),
 ``POST /_standin/reset``, ``POST /_standin/fail`` (``{"status": 500, "count": n}``: the next n
@@ -70,6 +72,16 @@ class State:
     fail_count: int = 0
 
 
+def model_eos(model_path: str) -> set[int]:
+    """The model's own EOS ids (generation_config.json), which SGLang stops on unasked."""
+    try:
+        value = json.loads((Path(model_path) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    ids = value.get("eos_token_id")
+    return set(ids) if isinstance(ids, list) else {ids} if isinstance(ids, int) else set()
+
+
 def read_shift(model_path: str) -> int:
     config = json.loads((Path(model_path) / "config.json").read_text())
     return int(config.get("standin_shift", 0))
@@ -114,7 +126,7 @@ def create_app(state: State) -> FastAPI:
             state.fail_count -= 1
             return JSONResponse({"error": {"message": "injected"}}, status_code=state.fail_status)
         rid = str(body.get("rid") or uuid.uuid4().hex)
-        stops = set(params.get("stop_token_ids") or [])
+        stops = set(params.get("stop_token_ids") or []) | model_eos(state.model_path)
         budget = int(params.get("max_new_tokens", 128))
         if budget < 1:
             return _bad("max_new_tokens must be positive")

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rollout_svc.engines import EngineError, GenRequest, TokenEvent, create_engine, torch_engine
+from rollout_svc.engines import (
+    EngineError,
+    GenRequest,
+    TokenEvent,
+    create_engine,
+    generation_eos_ids,
+    torch_engine,
+)
 from rollout_svc.engines.torch_engine import TorchEngine
 
 VOCAB = 16
@@ -195,6 +204,33 @@ def test_eos_and_length_endings(model_dirs: tuple[Path, ...]) -> None:
     done = _run(engine, [_req(1, committed=[4, EOS]), _req(2, committed=[4] * 12)])
     assert done["r1"] == [TokenEvent("r1", EOS, 1, True, "stop")]
     assert done["r2"] == [TokenEvent("r2", 4, 11, True, "length")]
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_every_generation_config_eos_stops(model_dirs: tuple[Path, ...], tmp_path: Path,
+                                           listed: bool) -> None:
+    """A chat model ends its turn with a token of generation_config, not the request's EOS."""
+    free = _tokens(_run(_engine(model_dirs[0]), [_req(0, eos_token_id=99)])["r0"])
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    model = shutil.copytree(model_dirs[0], tmp_path / "chat")
+    ends = [98, free[k]] if listed else free[k]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    engine = _engine(model)
+    events = _run(engine, [_req(0, eos_token_id=99)])["r0"]
+    assert _tokens(events) == free[:k + 1]  # the same keyed draws, cut at the model's EOS
+    assert events[-1].finish_reason == "stop" and not any(e.finished for e in events[:-1])
+    moved = _run(engine, [_req(1, committed=[4, free[k]], eos_token_id=99)])["r1"]
+    assert moved == [TokenEvent("r1", free[k], 1, True, "stop")]
+
+
+@pytest.mark.parametrize(("config", "ids"), [
+    ({"eos_token_id": 7}, {7}), ({"eos_token_id": [7, 3]}, {3, 7}), ({}, set()),
+    ({"eos_token_id": None}, set()), ({"eos_token_id": ["7", -1, True]}, set()), ([], set()),
+])
+def test_generation_eos_ids(tmp_path: Path, config: object, ids: set[int]) -> None:
+    assert generation_eos_ids(tmp_path) == frozenset()  # no file
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    assert generation_eos_ids(tmp_path) == ids
 
 
 def test_weight_swap_in_place_and_fallback(model_dirs: tuple[Path, ...]) -> None:
