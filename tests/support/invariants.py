@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import httpx
@@ -16,15 +16,17 @@ from trainer_svc import task
 def check_run(client: httpx.Client, run_id: str, spec: dict[str, Any],
               reward: Callable[[list[int], list[int]], float] = task.reward, *,
               prompts: Callable[[int], list[list[int]]] | None = None,
-              eos_id: int = task.EOS_ID,
+              eos_id: int | Collection[int] = task.EOS_ID,
               sample_reward: Callable[[dict[str, Any]], float] | None = None,
               ) -> dict[int, list[dict[str, Any]]]:
     """Assert invariants 1-3 for every step of a finished run; returns the samples by step.
 
     ``prompts(step)`` are the step's prompt ids (default: the built-in task's draw), ``eos_id``
-    what ends a response, and ``sample_reward(sample)`` its expected reward from the whole
-    sample (text included), in place of ``reward`` on its token ids."""
+    what ends a response (one id, or all of them: engines stop on each EOS id of the model),
+    and ``sample_reward(sample)`` its expected reward from the whole sample (text included), in
+    place of ``reward`` on its token ids."""
     run = msgspec.convert(spec, RunSpec)  # the body as submitted, with the manager's defaults
+    ends = {eos_id} if isinstance(eos_id, int) else set(eos_id)
     steps: list[dict[str, Any]] = client.get(f"/v1/runs/{run_id}/steps").json()
     assert [s["step"] for s in steps] == list(range(run.steps))
     expected = run.prompts_per_step * run.samples_per_prompt
@@ -40,9 +42,9 @@ def check_run(client: httpx.Client, run_id: str, spec: dict[str, Any],
         for s in samples:
             assert s["prompt_token_ids"] == drawn[s["prompt_index"]]
             assert 1 <= len(s["response_token_ids"]) <= run.max_new_tokens
-            ended = s["response_token_ids"][-1] == eos_id
+            ended = s["response_token_ids"][-1] in ends
             assert ended or len(s["response_token_ids"]) == run.max_new_tokens
-            assert eos_id not in s["response_token_ids"][:-1]
+            assert not ends.intersection(s["response_token_ids"][:-1])
             assert s["instances"], "every response names who generated it"
             want = sample_reward(s) if sample_reward else reward(s["prompt_token_ids"],
                                                                  s["response_token_ids"])

@@ -96,7 +96,7 @@ def test_tiny_chat_learns_from_the_word_problems_with_math_and_user_rewards(
         model_dir = tmp_path / "data" / "models" / f"tiny-chat-{tiny_chat_key(0)}"
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         chat = ChatFormat(tokenizer)
-        im_end = eos_token_ids(model_dir, tokenizer)[0]
+        ends = eos_token_ids(model_dir, tokenizer)  # engines stop on each EOS id
         train = load_prompts(DatasetSpec(TRAIN), require_answer=True)
 
         def prompts(step: int) -> list[list[int]]:
@@ -112,7 +112,7 @@ def test_tiny_chat_learns_from_the_word_problems_with_math_and_user_rewards(
 
         checked = []
         for run_id, spec, reward in ((ids[0], math_spec, math_of), (ids[1], user_spec, judge_of)):
-            by_step = check_run(client, run_id, spec, prompts=prompts, eos_id=im_end,
+            by_step = check_run(client, run_id, spec, prompts=prompts, eos_id=ends,
                                 sample_reward=reward)
             checked.append(by_step)
             for step, samples in by_step.items():
