@@ -10,6 +10,11 @@ Layout, one directory per run under ``<data dir>/archive/``::
 
     step-000042.json.gz   {"record": <record JSON text>, "samples": <samples JSON text>}
     run.json.gz           {"run": ..., "records": [...], "warnings": [...], "events": [...]}
+    record.json.gz        the run's record alone (GET /v1/runs/{id}, listings)
+
+and ``<data dir>/archive/index``, a line ``<created_at> <run id>`` per archived run (appended
+each time a run ends; the last line of a run wins): once a run's keys expire it leaves Redis's
+runs index, and listings find it here.
 
 Every file is gzip-compressed JSON written atomically (a temporary file in the same directory,
 fsynced, renamed over the name, the directory fsynced), so a reader or a manager killed mid-write
@@ -57,6 +62,42 @@ class Archive:
         folder = self.run_dir(run_id)
         if folder is not None:
             await asyncio.to_thread(_write, folder / "run.json.gz", data)
+            await asyncio.to_thread(_write, folder / "record.json.gz", data["run"])
+            await asyncio.to_thread(self._index, run_id, float(data["run"]["created_at"]))
+
+    async def record(self, run_id: str) -> dict[str, Any] | None:
+        """An archived run's record, without reading its steps and events."""
+        folder = self.run_dir(run_id)
+        return None if folder is None else await asyncio.to_thread(_record, folder)
+
+    async def listed(self, before: float | None, count: int) -> list[tuple[str, float]]:
+        """(run id, created_at) of the newest ``count`` archived runs created before
+        ``before``, newest first."""
+        return await asyncio.to_thread(self._listed, before, count)
+
+    def _listed(self, before: float | None, count: int) -> list[tuple[str, float]]:
+        try:
+            lines = (self.root / "index").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        found: dict[str, float] = {}
+        for line in lines:
+            created, _, run_id = line.partition(" ")
+            try:
+                at = float(created)
+            except ValueError:
+                continue  # a line torn by a host crash
+            if _RUN_ID.match(run_id) and (before is None or at < before):
+                found[run_id] = at
+        return sorted(found.items(), key=lambda kv: kv[1], reverse=True)[:count]
+
+    def _index(self, run_id: str, created_at: float) -> None:
+        fd = os.open(self.root / "index", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{created_at!r} {run_id}\n".encode())  # one write: never interleaved
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     async def run(self, run_id: str) -> dict[str, Any] | None:
         folder = self.run_dir(run_id)
@@ -82,6 +123,14 @@ def _write(path: Path, data: dict[str, Any]) -> None:
         os.fsync(folder)  # the rename itself survives a host crash
     finally:
         os.close(folder)
+
+
+def _record(folder: Path) -> Any:
+    found = _read(folder / "record.json.gz")
+    if found is None:  # archived before record files were written
+        whole = _read(folder / "run.json.gz")
+        found = None if whole is None else whole["run"]
+    return found
 
 
 def _read(path: Path) -> Any:

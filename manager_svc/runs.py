@@ -55,6 +55,7 @@ class RunStore:
         self.max_queued = max_queued
         self._activate = register(redis, "activate.lua")
         self._enqueue = register(redis, "enqueue.lua")
+        self._prune = register(redis, "prune_runs.lua")
 
     async def create(self, spec: RunSpec) -> dict[str, Any]:
         run_id = "run-" + uuid.uuid4().hex[:12]
@@ -74,8 +75,7 @@ class RunStore:
     async def get(self, run_id: str) -> dict[str, Any] | None:
         raw = await self.r.hgetall(Keys.run(run_id))
         if not raw:
-            archived = await self.archive.run(run_id)  # its keys expired: the archive's copy
-            return None if archived is None else dict(archived["run"])
+            return await self.archive.record(run_id)  # its keys expired: the archive's copy
         return {
             "id": raw["id"], "state": raw["state"], "step": int(raw["step"]),
             "steps": int(raw["steps"]), "spec": json.loads(raw["spec"]),
@@ -94,8 +94,12 @@ class RunStore:
         the last run of the previous page), newest first, and the next page's cursor (None:
         this was the last page)."""
         top = "+inf" if before is None else f"({before!r}"
-        rows = await self.r.zrevrangebyscore(Keys.runs, top, "-inf", start=0, num=limit + 1,
+        live = await self.r.zrevrangebyscore(Keys.runs, top, "-inf", start=0, num=limit + 1,
                                              withscores=True)
+        # A run whose keys expired left the index above; the archive's index lists it.
+        found = dict(await self.archive.listed(before, limit + 1))
+        found.update((str(run_id), float(at)) for run_id, at in live)
+        rows = sorted(found.items(), key=lambda kv: kv[1], reverse=True)[:limit + 1]
         runs = [await self.get(i) for i, _ in rows[:limit]]
         return [r for r in runs if r], (rows[limit - 1][1] if len(rows) > limit else None)
 
@@ -171,6 +175,7 @@ class RunStore:
                     for k in (key, *kept):
                         pipe.persist(k)
                     pipe.hdel(key, "retired")
+                    pipe.zrem(Keys.expiring, run_id)
                     await pipe.execute()
                     break
                 except WatchError:
@@ -237,7 +242,14 @@ class RunStore:
             pipe.pexpire(key, self.retention_ms)
         pipe.hset(Keys.run(run_id), "retired", 1)
         pipe.pexpire(Keys.run(run_id), self.retention_ms)
+        pipe.zadd(Keys.expiring, {run_id: int(time.time() * 1000) + self.retention_ms})
         await pipe.execute()
+
+    async def prune(self, batch: int = 1000) -> int:
+        """Take runs whose keys expired out of the runs index (the archive lists them now);
+        how many left. The manager calls this periodically."""
+        return int(await self._prune(keys=[Keys.runs, Keys.expiring],
+                                     args=[Keys.run(""), int(time.time() * 1000), batch]))
 
     async def _keys(self, run_id: str, step: int) -> list[str]:
         """Every key of the run but its hash, for steps up to ``step`` (leases are left to

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -110,6 +111,7 @@ class ManagerService:
         self._tasks = [
             asyncio.create_task(self._supervised(self.ingest.consume), name="chunk-ingest"),
             asyncio.create_task(self._supervised(self.dispatcher.run), name="dispatch"),
+            asyncio.create_task(self._supervised(self._prune_runs), name="prune-runs"),
         ]
         log.info("manager started: %s", self.cfg.describe())
 
@@ -146,6 +148,15 @@ class ManagerService:
             await asyncio.wait_for(self.nc.close(), STOP_WAIT_S)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.redis.aclose(), STOP_WAIT_S)
+
+    async def _prune_runs(self) -> None:
+        """Ended runs whose keys expired leave the runs index, about when they expire."""
+        every, due = min(60.0, max(0.2, self.cfg.retention_s / 4)), 0.0
+        while not self.soft.stopping:  # short sleeps: it ends soon after stopping, like the rest
+            if time.monotonic() >= due:
+                await self.runs.prune()
+                due = time.monotonic() + every
+            await asyncio.sleep(min(every, 0.5))
 
     async def _supervised(self, loop: Callable[[], Awaitable[None]]) -> None:
         """Run a background loop; transient broker errors are retried, never silently fatal."""

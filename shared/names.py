@@ -116,6 +116,7 @@ class Keys:
 
     runs = f"{PREFIX}:runs"  # zset run id -> creation time
     queue = f"{PREFIX}:runq"  # list of queued run ids, FIFO
+    expiring = f"{PREFIX}:runs:expiring"  # zset ended run id -> when its keys expire (ms)
     active = f"{PREFIX}:active"  # the run now being trained
     instances = f"{PREFIX}:instances"  # set of instance ids ever seen and not yet reaped
 

@@ -88,7 +88,7 @@ async def service(brokers: Stack, tmp_path: Path) -> AsyncIterator[ManagerServic
 async def test_manager_loops_end_on_stopping_even_without_a_cancel(
     service: ManagerService,
 ) -> None:
-    assert len(service._tasks) == 2 and not any(t.done() for t in service._tasks)
+    assert len(service._tasks) == 3 and not any(t.done() for t in service._tasks)
     service.soft.wake.set()
     service.soft.stopping = True
     _, running = await asyncio.wait(service._tasks, timeout=5.0)
