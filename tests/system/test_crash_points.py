@@ -83,11 +83,13 @@ def test_manager_killed_inside_step_creation_and_handoff(cluster: Cluster, broke
         final, deaths = finish_restarting_manager(client, cluster, run_id, 300)
         assert final["state"] == "succeeded", final
         fired = [p for p in POINTS if (tmp_path / "data" / f"crashed-at-{p}").exists()]
-        # "handoff.free" is only reached by a hand-off that has a spot instance to free the
-        # reserved side for; after a restart that finds every instance reaped it has none
-        # (see the end of this test), so that one point may go unreached in a short run.
+        # The hand-off's later points are reached only if, after the kills before them, the
+        # restarted manager still sees live spot instances holding a step's work past its
+        # window (after a kill it may find them all reaped): which of them fire is timing.
+        # Step creation's points and the hand-off's first are always on the path.
         missed = set(POINTS) - set(fired)
-        assert missed <= {"handoff.free"}, f"never reached: {missed}"
+        print(f"crash points fired: {fired}")
+        assert missed <= {"handoff.revoke", "handoff.free"}, f"never reached: {missed}"
         assert deaths == len(fired)
         by_step = check_run(client, run_id, SPEC, REWARD)
         for step, samples in by_step.items():
