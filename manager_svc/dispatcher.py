@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,15 @@ from manager_svc.accounting import Ledger
 from manager_svc.crash import HANDOFF_FLUSH, HANDOFF_FREE, HANDOFF_REVOKE, CrashPoints
 from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
+from manager_svc.placement import (
+    idle_marks,
+    joined_in_time,
+    lease_plan,
+    least_advanced,
+    rebalance_move,
+    spot_alive,
+    takers,
+)
 from manager_svc.registry import RELEASE_COMMIT_WAIT_S, Registry
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -37,10 +45,7 @@ from shared.process import wait_event
 from shared.protocol import Assign, Assignment, Handoff, Revoke, RunSpec, encode
 
 log = logging.getLogger("manager")
-# Do not move work off the same instance more often than this: moved work needs a moment to land.
-REBALANCE_COOLDOWN_S = 2.0
 ASSIGN_CONCURRENCY = 32  # assignment scripts in flight at once (one Redis connection each)
-REBALANCE_IDLE_S = 1.0  # an instance must have been idle this long before work moves to it
 # How long reserved instances get at a hand-off to flush their buffers and hand work back (a
 # release waits up to RELEASE_COMMIT_WAIT_S for its chunks' commits) before it is revoked.
 HANDOFF_FLUSH_S = RELEASE_COMMIT_WAIT_S + 1.0
@@ -149,17 +154,14 @@ class Dispatcher:
                  and i["weight_version"] == version]
         mode = info.get("mode", "off")
         if not self.cfg.midstep_join:
-            # Ablation: who joined after the step began sits it out, as if it could only get
-            # weights at the next step boundary; it also does not count as spot capacity.
             started = float(info.get("started_at", 0.0))
-            everyone = [i for i in everyone if i["kind"] == "reserved" or i["joined_at"] <= started]
-            ready = [i for i in ready if i["kind"] == "reserved" or i["joined_at"] <= started]
+            everyone, ready = joined_in_time(everyone, started), joined_in_time(ready, started)
         if mode != "off" and time.time() < float(info.get("window_end", 0.0)):
-            return ready
-        spot_alive = any(i["kind"] == "spot" and i["state"] != "draining" for i in everyone)
+            return takers(ready, in_window=True, any_spot=True)
+        any_spot = spot_alive(everyone)
         if mode != "off" and not info.get("handoff_at"):
-            await self._handoff(step, everyone, spot_alive)
-        return [i for i in ready if i["kind"] == "spot"] if spot_alive else ready
+            await self._handoff(step, everyone, any_spot)
+        return takers(ready, in_window=False, any_spot=any_spot)
 
     async def _handoff(self, step: ActiveStep, everyone: list[Instance],
                        spot_alive: bool) -> None:
@@ -212,19 +214,14 @@ class Dispatcher:
 
     async def _lease_fairly(self, step: ActiveStep, ready: list[Instance], pending: set[str]
                             ) -> tuple[int, bool]:
-        """Lease ``pending`` in (prompt, sample) order, reserved instances first (the design's
-        seeding order), each up to a fair share of all outstanding work, so one fast-joining
-        instance does not take it all. Returns how many went out and whether any stayed."""
+        """Lease ``pending`` in (prompt, sample) order by :func:`lease_plan`. Returns how many
+        went out and whether any stayed."""
         spec = await self.runs.spec(step.run_id)
         if spec is None:
             return 0, True  # the run's record is gone: nothing of it to lease
         queue = sorted(pending, key=lambda r: names.parse_request_id(r)[2:])
-        outstanding = len(queue) + sum(i["held"] for i in ready)
-        share = math.ceil(outstanding / len(ready))
-        ready.sort(key=lambda i: (i["kind"] != "reserved", i["held"]))
         sent = 0
-        for inst in ready:
-            room = min(inst["capacity"], share) - inst["held"]
+        for inst, room in lease_plan(len(queue), ready):
             batch, queue = await self._lease(inst["id"], room, queue, spec,
                                              int(step.info.get("eos", 0)))
             if batch:
@@ -252,37 +249,28 @@ class Dispatcher:
         return batch, queue
 
     async def _rebalance(self, ready: list[Instance]) -> None:
-        """Token-level load balancing: when the busiest instance holds more than
-        ``rebalance_skew`` responses over the idlest (an instance joined mid-step, or its
-        responses ran long), move half the difference, least-advanced responses first. They
-        continue from their committed tokens on the next dispatch, by the migration path."""
+        """Token-level load balancing by :func:`rebalance_move` (an instance joined mid-step,
+        or its responses ran long): the moved responses continue from their committed tokens
+        on the next dispatch, by the migration path."""
         if len(ready) < 2:
             return
         ids = {i["id"] for i in ready}  # re-read: the held counts changed as work went out
         ready = [i for i in await self.registry.instances() if i["id"] in ids]
-        ready.sort(key=lambda i: i["held"])
-        idle, busy = ready[0], ready[-1]
         now = time.monotonic()
-        for inst in ready:
-            if inst["held"] == 0:
-                self._idle_since.setdefault(inst["id"], now)
-            else:
-                self._idle_since.pop(inst["id"], None)
-        # Only an instance idle for a while is worth feeding: short responses finish before a
-        # move would pay for its re-prefill, and moving them anyway just churns leases.
-        if now - self._idle_since.get(idle["id"], now) < REBALANCE_IDLE_S or \
-                busy["held"] - idle["held"] <= self.cfg.rebalance_skew or \
-                now - self._rebalanced.get(busy["id"], 0.0) < REBALANCE_COOLDOWN_S:
+        idle_marks(ready, self._idle_since, now)
+        chosen = rebalance_move(ready, self._idle_since, self._rebalanced, now,
+                                self.cfg.rebalance_skew)
+        if chosen is None:
             return
+        busy, idle, count = chosen
         self._rebalanced[busy["id"]] = now
         held = sorted(await self.redis.smembers(Keys.instance_held(busy["id"])))
         pipe = self.redis.pipeline(transaction=False)
         for rid in held:
             pipe.hget(Keys.request(rid), "n")
         progress = [int(n or 0) for n in await pipe.execute()]
-        move = [rid for _, rid in sorted(zip(progress, held, strict=True))]
-        moved = await self._take_back(busy["id"], move[:(busy["held"] - idle["held"]) // 2],
-                                      "rebalance")
+        moved = await self._take_back(busy["id"], least_advanced(
+            list(zip(held, progress, strict=True)), count), "rebalance")
         if moved:
             log.info("moving %d responses off %s (holds %d, %s holds %d)", len(moved),
                      busy["id"], busy["held"], idle["id"], idle["held"])
