@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from rollout_svc.engines import create_engine
@@ -71,6 +72,9 @@ def main() -> None:
     cfg = RolloutConfig.from_env()
     setup_logging(cfg.common.log_level, f"rollout[{cfg.instance_id}]")
     logging.getLogger("rollout").info("rollout config: %s", cfg.describe())
+    if cfg.engine == "emu" and cfg.kind == "spot":
+        # EMULATION of a spot VM's boot and engine start: it registers only after them.
+        time.sleep(cfg.common.emu_time_scale * cfg.common.emu_start_s)
     asyncio.run(serve(build(cfg)))
 
 

@@ -96,6 +96,12 @@ class Common(Settings):
         "RLBOOST_METRICS_PORT", 0, "port of that /metrics; 0 = any free port", ge=0)
     emu_time_scale: float = setting(
         "RLBOOST_EMU_TIME_SCALE", 1.0, "emu: multiplies every modelled GPU time", ge=0.0)
+    emu_publish_s: float = setting(
+        "RLBOOST_EMU_PUBLISH_S", 0.0, "emu: modelled seconds the trainer's publish of a version "
+        "takes (write, hash, upload: shared.hardware.publish_seconds)", ge=0.0)
+    emu_start_s: float = setting(
+        "RLBOOST_EMU_START_S", 0.0, "emu: modelled seconds a spot process takes to start "
+        "serving (VM boot + engine start: shared.hardware)", ge=0.0)
     expose: Literal["auto", "open", "token"] = setting(
         "RLBOOST_EXPOSE", "auto", "/metrics, /docs and /openapi.json of the manager and the "
         "weight service: open, behind the bearer token, or auto = open only on a loopback bind")

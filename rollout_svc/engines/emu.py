@@ -23,13 +23,11 @@ nothing about NATS; it's purely token id sequences.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 
 from rollout_svc.engines.base import (
     EngineError,
@@ -39,10 +37,10 @@ from rollout_svc.engines.base import (
     check_request,
     finished_on_arrival,
 )
+from rollout_svc.engines.emu_models import response_length
 from shared.protocol import FinishReason
 from shared.sampling import uniform
 
-_NORMAL = NormalDist()
 _FIRST_TOKEN = 3  # ids below this are reserved (pad/bos/eos in most vocabularies)
 
 # Latency model. ASSUMPTION, not measurement: an 8B dense model in bf16 served by SGLang on
@@ -127,11 +125,8 @@ class EmuEngine:
     def natural_length(self, req: GenRequest) -> int:
         """Tokens the response would have (EOS included) without a budget; >= 1."""
         mean = self.mean_len if self.mean_len is not None else MEAN_LEN_FRAC * req.max_new_tokens
-        mu = math.log(max(mean, 1.0)) - self.len_sigma**2 / 2  # so that E[length] = mean
-        u = uniform(req.seed, req.step, req.prompt_index, req.sample_index, -1 - req.weight_version)
-        z = _NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))  # inv_cdf rejects 0 and 1
-        length = max(1, round(math.exp(mu + self.len_sigma * z)))
-        return min(length, self.max_len_cap) if self.max_len_cap is not None else length
+        return response_length(req.seed, req.step, req.prompt_index, req.sample_index,
+                               req.weight_version, mean, self.len_sigma, self.max_len_cap)
 
     def event_at(self, req: GenRequest, position: int, length: int) -> TokenEvent:
         """The event at ``position`` of a response whose natural length is ``length``."""

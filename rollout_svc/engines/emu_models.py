@@ -16,7 +16,9 @@ Model shapes are the public configs of Llama-3.1-8B (32 layers, 8 KV heads of 12
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from shared.hardware import (
     DEVICE_SWAP_BYTES_S,
@@ -24,6 +26,7 @@ from shared.hardware import (
     H100_HBM_BYTES_S,
     SPOT_LOAD_BYTES_S,
 )
+from shared.sampling import uniform
 
 STEP_OVERHEAD_S = 0.005  # scheduler + kernel launches per decode step
 CONTEXT_TOKENS = 4096  # mean sequence context in reasoning RL
@@ -85,6 +88,24 @@ SERVING: dict[str, ServingModel] = {
     "emu-32b": ServingModel("emu-32b", 32.8e9, layers=64, kv_heads=8, head_dim=128, gpus=2),
 }
 SERVING["emu"] = SERVING["emu-8b"]
+
+
+_NORMAL = NormalDist()
+
+
+def response_length(seed: int, step: int, prompt: int, sample: int, weight_version: int,
+                    mean: float, sigma: float, cap: int | None = None) -> int:
+    """The emu engine's length model: tokens a response has (EOS included) before any budget.
+
+    Lognormal with mean ``mean`` (long-tailed like reasoning RL: most responses short, a few
+    run into the budget), keyed by ``uniform(seed, step, prompt, sample, -1 - version)`` so it
+    never shares a draw with a token and changes with the weights; the simulator draws the
+    same lengths."""
+    mu = math.log(max(mean, 1.0)) - sigma**2 / 2  # so that E[length] = mean
+    u = uniform(seed, step, prompt, sample, -1 - weight_version)
+    z = _NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))  # inv_cdf rejects 0 and 1
+    length = max(1, round(math.exp(mu + sigma * z)))
+    return min(length, cap) if cap is not None else length
 
 
 def serving_model(name: str) -> ServingModel:

@@ -20,10 +20,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from shared.protocol import RunSpec
+from trainer_svc.compute_model import PRESETS, ComputeModel
 from trainer_svc.model import build_tiny
 from trainer_svc.policies.base import Policy
 from trainer_svc.policies.distributed import DistributedPolicy, channel
-from trainer_svc.policies.emu import PRESETS, ComputeModel, EmuPolicy
+from trainer_svc.policies.emu import EmuPolicy
 from trainer_svc.policies.torch_policy import TorchPolicy
 from trainer_svc.step_trainer import RunShape
 from trainer_svc.tiny_chat import build_tiny_chat
@@ -39,7 +40,7 @@ __all__ = [
 
 
 def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
-                emu_time_scale: float) -> Policy:
+                emu_time_scale: float, emu_publish_s: float = 0.0) -> Policy:
     """The policy a run spec asks for.
 
     An emu preset is emulated on rank 0 alone (the other ranks of a torchrun job stay idle);
@@ -47,7 +48,7 @@ def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
     """
     name = spec.model
     if name in PRESETS:
-        return EmuPolicy(PRESETS[name], run_dir, emu_time_scale)
+        return EmuPolicy(PRESETS[name], run_dir, emu_time_scale, emu_publish_s)
     seed = spec.seed
     if name == "tiny":
         model_dir = build_tiny(data_dir, seed)

@@ -13,13 +13,12 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.hardware import H100_BF16_FLOPS, H100_HBM_BYTES_S
 from trainer_svc import task
 from trainer_svc.checkpoint import RunCheckpoints
+from trainer_svc.compute_model import ComputeModel
 from trainer_svc.step_trainer import Group
 
 # The emu engine's vocabulary (rollout_svc.engines.emu's default): ingest drops any token
@@ -27,45 +26,14 @@ from trainer_svc.step_trainer import Group
 EMU_VOCAB_SIZE = 32000
 
 
-@dataclass(frozen=True, slots=True)
-class ComputeModel:
-    """Modelled training cost of a model class on reserved GPUs (see PRESETS for sources)."""
-
-    name: str
-    params: float  # parameters
-    gpus: int  # reserved GPUs training it
-    mfu: float  # model FLOPs utilisation reached by the training framework
-    peak_flops: float = H100_BF16_FLOPS  # per GPU
-    checkpoint_bytes: int = 64 * 1024  # size of the placeholder weights actually transferred
-
-    @property
-    def seconds_per_token(self) -> float:
-        # 6*N FLOPs per token for forward + backward (Kaplan et al. 2020), plus 2*N for the
-        # recomputed old log-probs of GRPO's ratio: 8*N per trained token.
-        return 8 * self.params / (self.gpus * self.peak_flops * self.mfu)
-
-    @property
-    def optimizer_step_s(self) -> float:
-        # AdamW touches params, grads and two moments in fp32: 16 bytes/param, sharded over
-        # the GPUs at their HBM bandwidth each, taken at 50 % efficiency.
-        return 16 * self.params / (self.gpus * H100_HBM_BYTES_S * 0.5)
-
-
-# MFU 0.35-0.40 is what Megatron/FSDP report for dense 8B-32B training on H100 clusters.
-PRESETS: dict[str, ComputeModel] = {
-    "emu": ComputeModel("emu", params=8e9, gpus=8, mfu=0.35),
-    "emu-8b": ComputeModel("emu-8b", params=8e9, gpus=8, mfu=0.35),
-    "emu-14b": ComputeModel("emu-14b", params=14e9, gpus=8, mfu=0.37),
-    "emu-32b": ComputeModel("emu-32b", params=32e9, gpus=8, mfu=0.40),
-}
-
-
 class EmuPolicy:
     """EMULATION: waits the modelled compute time instead of running torch."""
 
-    def __init__(self, preset: ComputeModel, run_dir: Path, time_scale: float) -> None:
+    def __init__(self, preset: ComputeModel, run_dir: Path, time_scale: float,
+                 publish_s: float = 0.0) -> None:
         self.preset = preset
         self.time_scale = time_scale
+        self.publish_s = publish_s  # modelled write + hash + upload of the real checkpoint
         self.checkpoints = RunCheckpoints(run_dir, run_dir)
         self.eos_id = task.EOS_ID
         self.vocab_size = EMU_VOCAB_SIZE
@@ -96,6 +64,8 @@ class EmuPolicy:
         return {"loss": 0.0}
 
     def save(self, version: int) -> None:
+        if version > 0:  # version 0 exists before the run: nothing to publish
+            time.sleep(self.time_scale * self.publish_s)
         final = self.checkpoints.hf_dir(version)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
