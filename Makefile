@@ -24,7 +24,7 @@ run: venv
 # ruff, mypy strict, and the architecture contracts of pyproject.toml [tool.importlinter]
 lint: venv
 	$(BIN)/ruff check .
-	$(BIN)/mypy shared manager_svc trainer_svc rollout_svc weight_svc rlboost benchmarks
+	$(BIN)/mypy shared manager_svc trainer_svc rollout_svc weight_svc rlboost sim benchmarks
 	$(BIN)/lint-imports --no-logo --no-cache
 
 # Cheapest tier first, so a broken unit fails in seconds rather than after the stack tests.

@@ -1,0 +1,137 @@
+"""What a simulation runs: the workload, the cluster and its costs, the policy, the prices.
+
+SIMULATION. Every GPU cost comes from the same presets the emulation uses
+(:mod:`rollout_svc.engines.emu_models` for serving, :mod:`trainer_svc.policies.emu` for
+training, :mod:`shared.hardware` for publish, pulls and start-up), so a simulated and an
+emulated run of one configuration charge the same seconds for the same work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rollout_svc.engines.emu_models import ServingModel, serving_model
+from shared import hardware
+from trainer_svc.compute_model import PRESETS, ComputeModel
+
+# Prices per GPU-hour. AWS p5.48xlarge (8x H100 SXM) on-demand in us-east-1 is $55.04/h after
+# AWS's June 2025 price reduction for P5 instances (AWS "What's New", 2025-06-05), $6.88 per
+# GPU. Spot: the same at a 65 % discount, ASSUMPTION (AWS advertises "up to 90 %"; H100 spot
+# capacity has traded 60-70 % below on-demand in the AWS Spot price history).
+ON_DEMAND_GPU_H = 6.88
+SPOT_GPU_H = 2.41
+
+# Reasoning-length responses for the paper regime: the budget is Terra-Flux/PolyRL's example
+# (128 prompts x 8 samples, max_response_length=14336). The shape is an ASSUMPTION: lognormal
+# (sigma 1.0, like the emu engine's length model) with a mean of 3,584 tokens (a quarter of the
+# budget, the emu engine's MEAN_LEN_FRAC), truncated at the budget (~4 % of responses hit it).
+REASONING_MAX_TOKENS = 14336
+REASONING_MEAN_TOKENS = 3584
+REASONING_PROMPT_TOKENS = 512  # a competition-math prompt with its chat template: ASSUMPTION
+GPU_MEMORY_BYTES = 80e9  # H100 SXM5 HBM3 (NVIDIA datasheet)
+KV_MEMORY_SHARE = 0.9  # SGLang's default mem_fraction_static is about 0.9
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int = 256
+    samples: int = 16
+    max_new_tokens: int = 128
+    mean_tokens: float = 32.0  # lognormal mean before truncation
+    sigma: float = 1.0
+    prompt_tokens: int = 4
+    seed: int = 0
+
+    @classmethod
+    def reasoning(cls, prompts: int = 256, samples: int = 8, seed: int = 0) -> Workload:
+        return cls(prompts, samples, REASONING_MAX_TOKENS, REASONING_MEAN_TOKENS, 1.0,
+                   REASONING_PROMPT_TOKENS, seed)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which mechanisms are on: rlboost has all of them; each ablation turns one off."""
+
+    name: str
+    spot: bool = True
+    seeding: str = "adaptive"  # adaptive | fixed | off
+    window_s: float = 0.0  # the fixed window
+    migration: str = "token"  # token | request
+    midstep_join: bool = True
+    rebalance: bool = True
+
+
+RESERVED_ONLY = Policy("reserved-only", spot=False, seeding="off")
+RLBOOST = Policy("rlboost")
+ABLATIONS = [Policy("seeding off", seeding="off"),
+             Policy("request-level migration", migration="request"),
+             Policy("no mid-step join", midstep_join=False),
+             Policy("no load balancing", rebalance=False)]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds the simulated hardware charges; defaults are the emulation's presets."""
+
+    serving: ServingModel
+    compute: ComputeModel
+    max_batch: int = 64
+    context_aware: bool = False  # KV read per sequence at its true context, not a 4k constant
+    publish_s: float = 0.0
+    spot_start_s: float = 0.0  # boot + engine start, from grant to first pull
+    weight_bytes: float = 0.0  # pulled per spot instance per version
+    egress_bytes_s: float = math.inf  # the weight service's link, shared by pulls
+    peer_bytes_s: float = 0.0  # what a holder of the version serves to peers
+    control_s: float = 0.0  # manager round trip before an assignment starts generating
+    handoff_s: float = 0.0  # reserved side's flush at the end of the seeding window
+    dispatch_interval_s: float = 0.25  # the dispatcher's periodic pass (rebalancing)
+    chunk_tokens: int = 32  # tokens per commit: a move without flush loses the uncommitted
+    grace_s: float = 10.0  # notice to hard stop, billed
+    # Host time per decode step on top of the GPU model: zero for the hardware; the emulation's
+    # engines pay their Python loop on shared CPU cores, which the validation measures.
+    host_step_s: float = 0.0
+
+    @classmethod
+    def emulation(cls, model: str, max_batch: int = 64, grace_s: float = 10.0,
+                  publish_s: float = 0.0, start_s: float = 0.0, host_step_s: float = 0.0
+                  ) -> Costs:
+        """The emulation's charges: what bench-paper's services sleep with these settings
+        (RLBOOST_EMU_PUBLISH_S, RLBOOST_EMU_START_S, RLBOOST_GRACE_S)."""
+        return cls(serving_model(model), PRESETS[model], max_batch=max_batch,
+                   publish_s=publish_s, spot_start_s=start_s, grace_s=grace_s,
+                   host_step_s=host_step_s)
+
+    @classmethod
+    def paper(cls, model: str, grace_s: float = 120.0) -> Costs:
+        """The paper regime: true context, memory-bound batch, contended egress, publish."""
+        serving = serving_model(model)
+        weights = 2 * serving.params
+        kv_room = serving.gpus * GPU_MEMORY_BYTES * KV_MEMORY_SHARE - weights
+        per_seq = serving.kv_bytes_per_token * (REASONING_PROMPT_TOKENS + REASONING_MEAN_TOKENS)
+        return cls(serving, PRESETS[model], max_batch=max(1, int(kv_room / per_seq)),
+                   context_aware=True, publish_s=hardware.publish_seconds(weights),
+                   spot_start_s=hardware.SPOT_BOOT_S + hardware.ENGINE_START_S,
+                   weight_bytes=weights, egress_bytes_s=hardware.WEIGHT_EGRESS_BYTES_S,
+                   peer_bytes_s=hardware.WEIGHT_EGRESS_BYTES_S, control_s=0.05,
+                   handoff_s=0.5, grace_s=grace_s)
+
+    @property
+    def load_s(self) -> float:
+        """A spot instance's load into HBM after (or, with no pull modelled, including) the
+        pull: the emulation's engine load time."""
+        return self.serving.load_s if self.weight_bytes == 0 else \
+            2 * self.serving.params / (self.serving.gpus * hardware.PCIE_LOAD_BYTES_S)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    reserved_gpus: int = 8
+    spot_times: list[float] = field(default_factory=lambda: [0.0])  # trace, simulated s
+    spot_counts: list[int] = field(default_factory=lambda: [0])  # spot instances from each time
+    spot_join_at_start: bool = True  # the count at t=0 is up (and holds weights) at the start
+    trace_length_s: float = 0.0  # the trace loops after this; 0: after its last change
+
+    @property
+    def reserved_instances(self) -> int:
+        return self.reserved_gpus  # divided by the model's TP degree by the simulator

@@ -1,0 +1,171 @@
+"""The rollout fleet: reserved instances, spot instances following a trace, weight pulls.
+
+SIMULATION. Spot instances appear when the trace's count rises (billed from then, usable after
+boot + engine start), pull the current version over the weight service's link, shared by every
+pull in flight (plus what peers that hold the version serve), then load it into HBM. When the
+count falls, victims drawn with a seeded generator get a notice: they stop, hand their
+responses back, and stay billed through the grace period.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from sim.config import Costs
+from sim.engine import Instance
+from sim.events import EventQueue
+
+
+@dataclass
+class Pull:
+    inst: Instance
+    version: int
+    left: float  # bytes
+
+
+@dataclass
+class Fleet:
+    clock: EventQueue
+    costs: Costs
+    on_ready: Callable[[Instance], None]  # an instance holds the current version
+    on_notice: Callable[[Instance], None]  # an instance is leaving: take its work back
+    seed: int = 0
+    instances: list[Instance] = field(default_factory=list)
+    version: int = 0  # the newest published version
+    _pulls: list[Pull] = field(default_factory=list)
+    _pull_serial: int = 0
+    _pull_at: float = 0.0
+    _serial: int = 0
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    # --- membership -------------------------------------------------------------------------
+
+    def add_reserved(self, count: int) -> None:
+        for n in range(count):
+            inst = Instance(f"reserved-{n}", "reserved", self.costs.max_batch, 0.0,
+                            state="ready", version=0)
+            self.instances.append(inst)
+
+    def spot(self, alive_only: bool = True) -> list[Instance]:
+        return [i for i in self.instances if i.kind == "spot" and (
+            i.state in ("booting", "loading", "ready") if alive_only else i.state != "gone")]
+
+    def set_spot(self, count: int, warm: bool = False) -> None:
+        """Follow the trace: start or notice spot instances until ``count`` are alive.
+        ``warm``: the new ones are up and hold the current version at once (the state a
+        measurement starts from)."""
+        alive = self.spot()
+        while len(alive) > count:
+            victim = alive.pop(self._rng.randrange(len(alive)))
+            self._leave(victim)
+        for _ in range(count - len(alive)):
+            self._serial += 1
+            inst = Instance(f"spot-{self._serial}", "spot", self.costs.max_batch,
+                            self.clock.now, billed_from=self.clock.now)
+            self.instances.append(inst)
+            if warm:
+                inst.state, inst.version = "ready", self.version
+                self.on_ready(inst)
+            else:
+                self.clock.after(self.costs.spot_start_s, partial(self._booted, inst))
+
+    def _booted(self, inst: Instance) -> None:
+        if inst.state != "booting":
+            return
+        inst.state = "loading"
+        inst.joined_at = self.clock.now  # registers now: mid-step joins count from here
+        self._start_pull(inst)
+
+    def _leave(self, inst: Instance) -> None:
+        was = inst.state
+        inst.state = "draining" if was in ("ready", "loading") else "gone"
+        inst.billed_to = self.clock.now + self.costs.grace_s
+        self._pulls = [p for p in self._pulls if p.inst is not inst]
+        if was == "ready":
+            self.on_notice(inst)
+        self.clock.after(0.0, partial(self._gone, inst))
+
+    def _gone(self, inst: Instance) -> None:
+        inst.state = "gone"
+
+    # --- versions and pulls -----------------------------------------------------------------
+
+    def publish(self, version: int) -> None:
+        """A new version exists: the reserved side swaps it in device memory, every spot
+        instance pulls it."""
+        self.version = version
+        for inst in self.instances:
+            if inst.kind == "reserved":
+                inst.state = "loading"
+                self.clock.after(self.costs.serving.swap_s, partial(self._loaded, inst, version))
+            elif inst.state in ("ready", "loading"):
+                inst.state = "loading"
+                self._start_pull(inst)
+
+    def _start_pull(self, inst: Instance) -> None:
+        self._settle_pulls()
+        self._pulls = [p for p in self._pulls if p.inst is not inst]
+        if self.costs.weight_bytes <= 0:
+            self._pulled(inst, self.version)
+            return
+        self._pulls.append(Pull(inst, self.version, self.costs.weight_bytes))
+        self._schedule_pulls()
+
+    def _rates(self) -> float:
+        """Bytes/s each pull in flight gets: the link and the peers' share, split evenly,
+        at most one link each."""
+        holders = sum(1 for i in self.spot() if i.version == self.version and i.state == "ready")
+        total = self.costs.egress_bytes_s + self.costs.peer_bytes_s * holders
+        return min(self.costs.egress_bytes_s, total / max(1, len(self._pulls)))
+
+    def _settle_pulls(self) -> None:
+        moved = (self.clock.now - self._pull_at) * self._rates() if self._pulls else 0.0
+        self._pull_at = self.clock.now
+        for p in self._pulls:
+            p.left -= moved
+
+    def _schedule_pulls(self) -> None:
+        self._pull_serial += 1
+        if not self._pulls:
+            return
+        serial = self._pull_serial
+        first = min(p.left for p in self._pulls)
+        self.clock.after(max(0.0, first) / self._rates(), partial(self._pull_tick, serial))
+
+    def _pull_tick(self, serial: int) -> None:
+        if serial != self._pull_serial:
+            return
+        self._settle_pulls()
+        done = [p for p in self._pulls if p.left <= 1.0]
+        self._pulls = [p for p in self._pulls if p.left > 1.0]
+        for p in done:
+            self._pulled(p.inst, p.version)
+        self._schedule_pulls()
+
+    def _pulled(self, inst: Instance, version: int) -> None:
+        self.clock.after(self.costs.load_s, partial(self._loaded, inst, version))
+
+    def _loaded(self, inst: Instance, version: int) -> None:
+        if inst.state != "loading" or version != self.version:
+            return  # left meanwhile, or a newer version is on its way
+        inst.state, inst.version = "ready", version
+        self._settle_pulls()  # a new holder serves peers from now on
+        self._schedule_pulls()
+        self.on_ready(inst)
+
+    # --- billing ----------------------------------------------------------------------------
+
+    def spot_instance_s(self, start: float, end: float) -> float:
+        """Spot instance-seconds billed in [start, end]: from grant to notice + grace."""
+        total = 0.0
+        for i in self.instances:
+            if i.kind != "spot":
+                continue
+            hi = end if i.billed_to is None else min(end, i.billed_to)
+            total += max(0.0, hi - max(start, i.billed_from))
+        return total

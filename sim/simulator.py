@@ -1,0 +1,405 @@
+"""The whole system in simulated time, driven by the manager's own policy code.
+
+SIMULATION. Mechanism here, policy from the services: the seeding window of each step is
+:func:`manager_svc.seeding.next_window` fed by :func:`manager_svc.seeding.observe` with the
+same measurements the manager records; who may take work, how much each instance is leased,
+and which responses a rebalance moves are :mod:`manager_svc.placement`, the functions the
+dispatcher calls. The step follows the services' protocol: the step starts when the trainer
+has published its version; the reserved side generates during the window, hands its
+unfinished responses to spot instances (token-level: they keep their committed tokens) and
+trains groups as they complete; after the barrier the trainer finishes, steps the optimizer
+and publishes the next version, which the reserved side swaps in and spot instances pull.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from manager_svc import placement
+from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
+from rollout_svc.engines.emu_models import response_length
+from sim import engine
+from sim.config import Cluster, Costs, Policy, Workload
+from sim.engine import Instance, Response
+from sim.events import EventQueue
+from sim.fleet import Fleet
+
+
+@dataclass
+class Step:
+    index: int
+    started: float
+    window: float
+    mode: str
+    responses: list[Response]
+    pending: list[tuple[int, int, int]] = field(default_factory=list)  # heap: prompt, sample
+    open_groups: list[int] = field(default_factory=list)  # responses left per prompt
+    remaining: int = 0
+    window_over: bool = False
+    reserved_free: bool = False
+    barrier_at: float | None = None
+    spot_first_at: float | None = None
+    tokens_reserved: int = 0
+    tokens_spot: int = 0
+    migrations: int = 0
+    regenerated: int = 0
+
+
+@dataclass
+class Trainer:
+    queue: list[int] = field(default_factory=list)  # complete groups not yet trained
+    busy_until: float = 0.0
+    busy_s: float = 0.0
+    training: bool = False
+    finishing: bool = False
+
+
+class Simulator:
+    def __init__(self, workload: Workload, costs: Costs, cluster: Cluster, policy: Policy,
+                 rebalance_skew: int = 8, initial_window_s: float = DEFAULT_WINDOW_S,
+                 audit: bool = False) -> None:
+        self.workload, self.costs, self.cluster, self.policy = workload, costs, cluster, policy
+        self.skew = rebalance_skew if policy.rebalance else 0
+        self.clock = EventQueue()
+        self.fleet = Fleet(self.clock, costs, self._on_ready, self._on_notice, workload.seed)
+        self.fleet.add_reserved(max(1, cluster.reserved_gpus // costs.serving.gpus))
+        self.seeding = SeedingState(window_s=policy.window_s or initial_window_s)
+        self.trainer = Trainer()
+        self.records: list[dict[str, Any]] = []
+        self.step: Step | None = None
+        self._idle_since: dict[str, float] = {}
+        self._rebalanced: dict[str, float] = {}
+        self._completed = 0
+        # With ``audit``: (step, prompt, sample, tokens) of every completion, for the tests.
+        self.audit: list[tuple[int, int, int, int]] | None = [] if audit else None
+        # Stepping by hand (the hindsight sweep): a finished step does not start the next;
+        # ``begin_step`` does, with ``force_window`` over the controller's choice if set.
+        self.manual = False
+        self.force_window: float | None = None
+
+    # --- running ------------------------------------------------------------------------
+
+    def run(self, span_s: float, warmup_steps: int = 1) -> tuple[float, float]:
+        """Run ``warmup_steps`` with the trace's first count up, then replay the trace from
+        the next step's start for ``span_s`` (looping it if the span outlasts it, as the
+        benchmark's trace player does). Returns the measured span's (start, end)."""
+        times, counts = self.cluster.spot_times, self.cluster.spot_counts
+        if self.policy.spot:
+            self.fleet.set_spot(counts[0], warm=self.cluster.spot_join_at_start)
+        self._start_step(0)
+        self.clock.run_until(math.inf, lambda: len(self.records) >= warmup_steps)
+        t0 = self.clock.now
+        if self.policy.spot and len(times) > 1:
+            length = self.cluster.trace_length_s or times[-1] + 1.0
+            for lap in range(int(span_s // length) + 1):
+                for t, c in zip(times, counts, strict=True):
+                    if (lap or t > 0) and lap * length + t < span_s:
+                        self.clock.at(t0 + lap * length + t, partial(self.fleet.set_spot, c))
+        self.clock.run_until(t0 + span_s)
+        return t0, t0 + span_s
+
+    # --- the step -----------------------------------------------------------------------
+
+    def _start_step(self, index: int) -> None:
+        w = self.workload
+        spot_alive = self._spot_count()
+        mode = self.policy.seeding if self.policy.spot else "off"
+        if self.force_window is not None and mode != "off":
+            window = self.force_window
+        elif mode == "adaptive":
+            window = next_window(self.seeding, spot_alive)
+        else:
+            window = self.policy.window_s if mode == "fixed" else 0.0
+        self.seeding.window_s, self.seeding.spot_count = window, spot_alive
+        responses: list[Response] = []
+        for p in range(w.prompts):
+            for s in range(w.samples):
+                length = response_length(w.seed, index, p, s, 0, w.mean_tokens, w.sigma,
+                                         w.max_new_tokens)
+                responses.append(Response(p, s, length, w.prompt_tokens, len(responses)))
+        step = Step(index, self.clock.now, window, mode, responses,
+                    open_groups=[w.samples] * w.prompts, remaining=len(responses))
+        step.pending = [(r.prompt, r.sample, n) for n, r in enumerate(responses)]
+        heapq.heapify(step.pending)
+        step.reserved_free = mode == "off" and spot_alive > 0
+        step.window_over = mode == "off"
+        self.step = step
+        if mode != "off":
+            self.clock.after(window, partial(self._window_end, step))
+        self._dispatch()
+        self._tick(step)
+
+    def _spot_count(self) -> int:
+        return sum(1 for i in self._registered() if i["kind"] == "spot"
+                   and i["state"] != "draining")
+
+    def _registered(self) -> list[dict[str, Any]]:
+        """The registry's view: instances that started their engine and have not left."""
+        rows = [i.row() for i in self.fleet.instances if i.state in ("loading", "ready",
+                                                                      "draining")]
+        if not self.policy.midstep_join and self.step is not None:
+            rows = placement.joined_in_time(rows, self.step.started)
+        return rows
+
+    def _window_end(self, step: Step) -> None:
+        if step is not self.step or step.barrier_at is not None:
+            return
+        step.window_over = True
+        if not placement.spot_alive(self._registered()):
+            return  # nobody to hand to: the reserved side generates on, trains after
+        for inst in self.fleet.instances:
+            if inst.kind == "reserved" and inst.held:
+                self._take_back(inst, list(inst.held), flush=True)
+        self.clock.after(self.costs.handoff_s, partial(self._reserved_free, step))
+
+    def _reserved_free(self, step: Step) -> None:
+        """The hand-off is done: the reserved side trains on groups as they complete."""
+        if step is self.step:
+            step.reserved_free = True
+            self._train_next()
+            self._dispatch()
+
+    def _tick(self, step: Step) -> None:
+        """The dispatcher's periodic pass (its rebalancing needs time to pass)."""
+        if step is not self.step or step.barrier_at is not None:
+            return
+        self._dispatch()
+        self.clock.after(self.costs.dispatch_interval_s, partial(self._tick, step))
+
+    # --- dispatch: the manager's placement policy ----------------------------------------
+
+    def _dispatch(self) -> None:
+        step = self.step
+        if step is None or step.barrier_at is not None:
+            return
+        everyone = self._registered()
+        ready = [i for i in everyone if i["state"] == "ready"
+                 and i["obj"].version == step.index]
+        in_window = step.mode != "off" and not step.window_over
+        ready = placement.takers(ready, in_window, in_window or placement.spot_alive(everyone))
+        if not ready:
+            return
+        if step.pending:
+            for row, room in placement.lease_plan(len(step.pending), ready):
+                inst: Instance = row["obj"]
+                batch = []
+                while room > 0 and step.pending:
+                    batch.append(step.responses[heapq.heappop(step.pending)[2]])
+                    room -= 1
+                for r in batch:
+                    r.owner = inst
+                    inst.held.append(r)
+                self.clock.after(self.costs.control_s, partial(self._deliver, inst, batch))
+            if step.pending:
+                return
+        if self.skew:
+            self._rebalance(ready)
+
+    def _rebalance(self, ready: list[dict[str, Any]]) -> None:
+        now = self.clock.now
+        rows = [i["obj"].row() for i in ready]
+        placement.idle_marks(rows, self._idle_since, now)
+        chosen = placement.rebalance_move(rows, self._idle_since, self._rebalanced, now,
+                                          self.skew)
+        if chosen is None:
+            return
+        busy, _, count = chosen
+        self._rebalanced[busy["id"]] = now
+        inst: Instance = busy["obj"]
+        by_id = {f"{r.prompt}:{r.sample}": r for r in inst.held}
+        move = placement.least_advanced([(k, r.committed) for k, r in by_id.items()], count)
+        self._take_back(inst, [by_id[k] for k in move], flush=False)
+        self.clock.after(0.0, self._dispatch)
+
+    def _deliver(self, inst: Instance, batch: list[Response]) -> None:
+        batch = [r for r in batch if r.owner is inst and not r.done]
+        if not batch or inst.state not in ("ready", "loading"):
+            return
+        inst.queue.extend(batch)
+        self._touch(inst)
+
+    def _take_back(self, inst: Instance, rids: list[Response], flush: bool) -> None:
+        """Revoke ``rids`` from ``inst``: back to pending, with what survives the move."""
+        step = self.step
+        assert step is not None
+        self._cut(inst)
+        gone = set(map(id, rids))
+        inst.held = [r for r in inst.held if id(r) not in gone]
+        inst.active = [r for r in inst.active if id(r) not in gone]
+        inst.queue = type(inst.queue)(r for r in inst.queue if id(r) not in gone)
+        for r in rids:
+            if r.done:
+                continue
+            keep = r.committed if flush else \
+                r.committed // self.costs.chunk_tokens * self.costs.chunk_tokens
+            if self.policy.migration == "request":
+                keep = 0
+            step.regenerated += r.committed - keep
+            r.committed, r.owner = keep, None
+            r.moves += 1
+            step.migrations += 1
+            heapq.heappush(step.pending, (r.prompt, r.sample, r.index))
+        self._restart(inst)
+
+    def _on_ready(self, inst: Instance) -> None:
+        self._dispatch()
+
+    def _on_notice(self, inst: Instance) -> None:
+        if self.step is not None and inst.held:
+            self._take_back(inst, list(inst.held), flush=True)
+        self.clock.after(0.0, self._dispatch)
+
+    # --- the engine: segments of continuous batching -------------------------------------
+
+    def _cut(self, inst: Instance) -> None:
+        """Stop the running segment at the next decode-step boundary."""
+        end = engine.boundary(inst, self.clock.now)
+        self._finish(inst, engine.advance(inst, self.clock.now, cut=True))
+        inst.seg_start = end  # the engine is busy until then
+
+    def _touch(self, inst: Instance) -> None:
+        if inst.seg_steps:
+            self._cut(inst)
+            self._restart(inst)
+        elif inst.seg_start <= self.clock.now or not inst.active:
+            self._restart(inst)
+
+    def _restart(self, inst: Instance) -> None:
+        start = max(self.clock.now, inst.seg_start)
+        if start > self.clock.now:
+            serial = inst.seg_serial + 1
+            inst.seg_serial = serial
+            self.clock.at(start, partial(self._begin, inst, serial))
+            return
+        self._begin(inst, inst.seg_serial)
+
+    def _begin(self, inst: Instance, serial: int) -> None:
+        if serial != inst.seg_serial or inst.seg_steps:
+            return
+        end = engine.start_segment(inst, self.costs, self.clock.now)
+        if end is None:
+            return
+        step = self.step
+        if inst.kind == "spot" and step is not None and step.spot_first_at is None:
+            step.spot_first_at = self.clock.now
+        serial = inst.seg_serial
+        self.clock.at(end, partial(self._segment_end, inst, serial))
+
+    def _segment_end(self, inst: Instance, serial: int) -> None:
+        if serial != inst.seg_serial:
+            return
+        self._finish(inst, engine.advance(inst, self.clock.now, cut=False))
+        inst.seg_start = self.clock.now
+        self._begin(inst, inst.seg_serial)
+        self._dispatch()
+
+    def _finish(self, inst: Instance, done: tuple[list[Response], int]) -> None:
+        finished, tokens = done
+        step = self.step
+        if step is None:
+            return
+        if inst.kind == "spot":
+            step.tokens_spot += tokens
+        else:
+            step.tokens_reserved += tokens
+        for r in finished:
+            r.done, r.owner = True, None
+            inst.held.remove(r)
+            step.remaining -= 1
+            self._completed += 1
+            if self.audit is not None:
+                self.audit.append((step.index, r.prompt, r.sample, r.committed - r.length))
+            step.open_groups[r.prompt] -= 1
+            if step.open_groups[r.prompt] == 0:
+                self.trainer.queue.append(r.prompt)
+        if step.remaining == 0 and step.barrier_at is None:
+            step.barrier_at = self.clock.now
+        if finished:
+            self._train_next()
+
+    # --- the trainer ---------------------------------------------------------------------
+
+    def _train_next(self) -> None:
+        t, step = self.trainer, self.step
+        if step is None or t.training or t.finishing:
+            return
+        if t.queue and (step.reserved_free or step.barrier_at is not None):
+            prompt = t.queue.pop(0)
+            group = step.responses[prompt * self.workload.samples:
+                                   (prompt + 1) * self.workload.samples]
+            tokens = sum(r.prompt_tokens + r.length for r in group)
+            self._busy(tokens * self.costs.compute.seconds_per_token, self._trained)
+        elif not t.queue and step.barrier_at is not None:
+            t.finishing = True
+            self._busy(self.costs.compute.optimizer_step_s + self.costs.publish_s,
+                       self._published)
+
+    def _busy(self, seconds: float, then: Any) -> None:
+        self.trainer.training = True
+        self.trainer.busy_s += seconds
+        self.clock.after(seconds, then)
+
+    def _trained(self) -> None:
+        self.trainer.training = False
+        self._train_next()
+
+    def _published(self) -> None:
+        step, t = self.step, self.trainer
+        assert step is not None and step.barrier_at is not None
+        now = self.clock.now
+        tokens = sum(r.length for r in step.responses)
+        window = min(step.window, step.barrier_at - step.started)
+        spot_first = step.spot_first_at if step.spot_first_at is not None else step.barrier_at
+        record = {
+            "step": step.index, "tokens": tokens, "responses": len(step.responses),
+            "started_at": step.started, "finished_at": now, "step_s": now - step.started,
+            "rollout_s": step.barrier_at - step.started, "train_s": t.busy_s,
+            "trainer_idle_s": now - step.started - t.busy_s,
+            "publish_s": self.costs.publish_s, "seeding_window_s": step.window,
+            "window_seen_s": window, "tokens_reserved": step.tokens_reserved,
+            "tokens_spot": step.tokens_spot, "migrations": step.migrations,
+            "tokens_regenerated": step.regenerated, "spot_count": self.seeding.spot_count,
+            "spot_first_s": spot_first - step.started,
+            "tail_s": step.barrier_at - step.started - window,
+            "train_tail_s": now - step.barrier_at - self.costs.publish_s
+            - self.costs.compute.optimizer_step_s,
+        }
+        spot_now = sum(1 for i in self._registered() if i["kind"] == "spot")
+        observe(self.seeding, {
+            "tokens": tokens, "tokens_reserved": step.tokens_reserved,
+            "tokens_spot": step.tokens_spot, "window_s": window, "train_s": t.busy_s,
+            "spot_ready_s": spot_first - step.started, "spot_busy_s": step.barrier_at - spot_first,
+            "spot_count": spot_now})
+        self.records.append(record)
+        self.trainer = Trainer()
+        self.step = None
+        self.fleet.publish(step.index + 1)
+        if not self.manual:
+            self._start_step(step.index + 1)
+
+    def begin_step(self, index: int) -> None:
+        """Manual stepping: start step ``index`` now (the previous one has finished)."""
+        self._start_step(index)
+
+    def start_trace(self) -> None:
+        """Manual stepping: the trace's count at 0 up now, its changes from now on."""
+        times, counts = self.cluster.spot_times, self.cluster.spot_counts
+        self.fleet.set_spot(counts[0], warm=self.cluster.spot_join_at_start)
+        for t, c in zip(times[1:], counts[1:], strict=True):
+            self.clock.at(t, partial(self.fleet.set_spot, c))
+
+    # --- what it cost --------------------------------------------------------------------
+
+    def gpu_seconds(self, start: float, end: float) -> tuple[float, float]:
+        """(reserved, spot) GPU-seconds billed in [start, end]."""
+        gpus = self.costs.serving.gpus
+        return (self.cluster.reserved_gpus * (end - start),
+                self.fleet.spot_instance_s(start, end) * gpus)
+
+    @property
+    def completed(self) -> int:
+        return self._completed
