@@ -87,3 +87,8 @@ bench-paper: venv
 # End to end with the SGLang engine on a GPU and a real small HF model: make gpu-check MODEL=dir
 gpu-check: venv
 	scripts/gpu-check.sh $(MODEL)
+
+.PHONY: bench-sim-check
+# bench-paper's configuration on the real services (emu) and in the simulator, side by side
+bench-sim-check: venv
+	$(BIN)/python -m benchmarks.sim_check

@@ -36,6 +36,7 @@ from benchmarks import paper_report
 from benchmarks.trace import Trace, TracePlayer, load
 from rlboost.launcher import Cluster
 from rollout_svc.engines.emu_models import serving_model
+from shared.hardware import ENGINE_START_S, SPOT_BOOT_S, publish_seconds
 from shared.process import exit_on_sigterm
 from shared.protocol import RunSpec, SeedingSpec
 from shared.stack import Stack
@@ -78,6 +79,13 @@ class Setup:
     spec: RunSpec
     removal: str
     seed: int
+    publish_s: float = 0.0  # emulated: the trainer's publish of a version
+    start_s: float = 0.0  # emulated: a spot instance's boot + engine start
+
+    @property
+    def grace_s(self) -> float:
+        """The grace period in emulated seconds (RLBOOST_GRACE_S is wall time)."""
+        return float(ENV["RLBOOST_GRACE_S"]) / self.time_scale
 
 
 def run_policy(policy: Policy, setup: Setup, root: Path) -> paper_report.Outcome:
@@ -85,7 +93,8 @@ def run_policy(policy: Policy, setup: Setup, root: Path) -> paper_report.Outcome
     stack = Stack.create(root / "brokers")
     stack.start()
     env = {**stack.env(), **ENV, **policy.env, "RLBOOST_DATA_DIR": str(root / "data"),
-           "RLBOOST_EMU_MODEL": setup.model, "RLBOOST_EMU_TIME_SCALE": str(setup.time_scale)}
+           "RLBOOST_EMU_MODEL": setup.model, "RLBOOST_EMU_TIME_SCALE": str(setup.time_scale),
+           "RLBOOST_EMU_PUBLISH_S": str(setup.publish_s), "RLBOOST_EMU_START_S": str(setup.start_s)}
     cluster = Cluster(root, spot=0, reserved=0, engine="emu", base_env=env)
     player = TracePlayer(setup.trace, lambda name: cluster.add_instance("spot", name),
                          wall_per_s=setup.time_scale, removal=setup.removal,  # type: ignore[arg-type]
@@ -138,7 +147,9 @@ def outcome(policy: Policy, setup: Setup, records: list[dict[str, Any]], player:
             if key in s:
                 s[key] = s[key] / scale
     window = (end - start) / scale
-    spot_gpu_s = player.gpu_seconds(start, end, gpus) / scale if policy.spot else 0.0
+    # Billed through the grace period: a noticed instance is the cloud's until it stops.
+    spot_gpu_s = player.gpu_seconds(start, end, gpus, setup.grace_s * scale) / scale \
+        if policy.spot else 0.0
     history = [((t - start) / scale, c) for t, c in player.history if t >= begin]
     return paper_report.Outcome(policy.name, steps, window, setup.reserved_gpus * window,
                                 spot_gpu_s, history)
@@ -160,7 +171,7 @@ def cluster_tail(cluster: Cluster) -> str:
     return "\n".join(f"--- {c.name}\n{c.tail(8)}" for c in cluster.children[:3])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="emu-8b", choices=["emu-8b", "emu-14b", "emu-32b"])
     parser.add_argument("--trace", default="p3", choices=["p3", "g4dn", "gcp"])
@@ -181,20 +192,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default="all", help="comma-separated letters, e.g. a,b")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    exit_on_sigterm()
+    return parser
+
+
+def configure(args: argparse.Namespace) -> tuple[Setup, list[Policy], str]:
+    """The setup, the chosen policies and the title the arguments ask for.
+
+    The trainer's publish is charged in full (shared.hardware.publish_seconds of the bf16
+    weights); a spot instance's boot + engine start is compressed with the trace, like the
+    churn it comes with."""
     trace = load(args.trace).segment(args.segment_start, args.segment)
+    weights = 2 * serving_model(args.model).params
     setup = Setup(args.model, trace.compressed(args.compress, args.count_scale),
                   args.reserved_gpus, args.time_scale, args.window,
                   RunSpec(model=args.model, steps=100_000, prompts_per_step=args.prompts,
                           samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
-                          seed=args.seed), args.removal, args.seed)
+                          seed=args.seed), args.removal, args.seed,
+                  publish_seconds(weights), (SPOT_BOOT_S + ENGINE_START_S) / args.compress)
     chosen = POLICIES if args.policies == "all" else [
         p for p in POLICIES if p.name[1:].split(")")[0] in args.policies.split(",")]
-    title = (f"EMULATION: {args.model} on H100 (modelled), {args.reserved_gpus} reserved GPUs, "
-             f"spot = {args.trace} trace x{args.count_scale} "
+    title = (f"EMULATION: {args.model}, {args.reserved_gpus} reserved H100s (modelled), "
+             f"spot = {args.trace} trace x{args.count_scale}\n"
              f"[{args.segment_start:.0f}s +{args.segment:.0f}s, /{args.compress:.0f}], "
-             f"{setup.trace.mean():.1f} spot instances on average over the segment")
+             f"{setup.trace.mean():.1f} spot instances on average; publish "
+             f"{setup.publish_s:.1f}s, spot start {setup.start_s:.1f}s")
+    return setup, chosen, title
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    exit_on_sigterm()
+    setup, chosen, title = configure(args)
     print(title, flush=True)
     print(f"trainer: {PRESETS[args.model].seconds_per_token * 1e6:.1f} us/token on "
           f"{PRESETS[args.model].gpus} GPUs; serving: {serving_model(args.model)}", flush=True)

@@ -1,12 +1,8 @@
 """Cost model, table and plot for ``make bench-paper``.
 
-Prices are per GPU-hour, named settings with documented defaults (override with the environment
-variables or the bench's flags). ASSUMPTIONS, not quotes:
-
-* ``RLBOOST_PRICE_ON_DEMAND_GPU_H`` = 6.88: AWS p5.48xlarge (8x H100) on-demand list price of
-  $55.04/h after the June 2025 price cut, divided by 8.
-* ``RLBOOST_PRICE_SPOT_GPU_H`` = 2.41: the same at a 65 % spot discount; AWS advertises up to
-  90 %, GPU spot capacity usually trades 60-70 % below on-demand.
+Prices are per GPU-hour, named settings whose defaults (and their sources) are the simulator's,
+:data:`sim.config.ON_DEMAND_GPU_H` and :data:`sim.config.SPOT_GPU_H`, so emulation and
+simulation price alike: ``RLBOOST_PRICE_ON_DEMAND_GPU_H``, ``RLBOOST_PRICE_SPOT_GPU_H``.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ON_DEMAND_GPU_H = 6.88
-SPOT_GPU_H = 2.41
+from sim.config import ON_DEMAND_GPU_H, SPOT_GPU_H
 
 
 @dataclass(frozen=True)

@@ -171,12 +171,17 @@ class TracePlayer:
                 self.set_count(count)
             base += self.trace.length_s * self.wall_per_s
 
-    def gpu_seconds(self, start: float, end: float, gpus_per_instance: int) -> float:
-        """Spot GPU time billed between two wall instants, in wall seconds."""
+    def gpu_seconds(self, start: float, end: float, gpus_per_instance: int,
+                    grace_s: float = 0.0) -> float:
+        """Spot GPU time billed between two wall instants, in wall seconds; an instance that
+        got a notice stays billed for ``grace_s`` (wall) after it."""
         total = 0.0
         for i, (at, count) in enumerate(self.history):
             nxt = self.history[i + 1][0] if i + 1 < len(self.history) else end
             lo, hi = max(at, start), min(nxt, end)
             if hi > lo:
                 total += (hi - lo) * count * gpus_per_instance
+            dropped = self.history[i - 1][1] - count if i else 0
+            if dropped > 0 and start <= at < end:
+                total += dropped * min(grace_s, end - at) * gpus_per_instance
         return total

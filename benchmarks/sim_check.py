@@ -1,0 +1,104 @@
+"""``make bench-sim-check``: the simulator against the emulation, policy by policy.
+
+Runs ``make bench-paper``'s configuration (same flags, same defaults) on the real services with
+the ``emu`` engine (EMULATION), then the same configuration in the discrete-event simulator
+(SIMULATION: :mod:`sim`, the manager's own seeding and placement code), and prints per policy
+the throughput and mean step time of both with their ratio; acceptance is every ratio within
++-10 %.
+
+One figure is taken from the emulation rather than the hardware model: the emulated engines'
+host time per decode step (their Python loop on two shared cores, which the H100 model does not
+have). It is fitted on policy (a), reserved-only, alone: the simulated (a) rollout time is made
+to match the emulated one by bisection. (a) is therefore the calibration point, and the other
+policies are the check.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import paper, paper_report
+from shared.process import exit_on_sigterm
+from sim.config import ABLATIONS, RESERVED_ONLY, RLBOOST, Cluster, Costs, Policy, Workload
+from sim.outcome import Outcome, simulate
+
+TOLERANCE = 0.10
+# bench-paper's policies and the simulator's, by their letter.
+SIM_POLICY: dict[str, Policy] = {"a": RESERVED_ONLY, "b": RLBOOST, "c1": ABLATIONS[0],
+                                 "c2": ABLATIONS[1], "c3": ABLATIONS[2]}
+
+
+def letter(policy: paper.Policy) -> str:
+    return policy.name[1:].split(")")[0]
+
+
+def sim_inputs(setup: paper.Setup, host_step_s: float) -> tuple[Workload, Costs, Cluster]:
+    spec = setup.spec
+    work = Workload(spec.prompts_per_step, spec.samples_per_prompt, spec.max_new_tokens,
+                    0.25 * spec.max_new_tokens, 1.0, 4, spec.seed)
+    costs = Costs.emulation(setup.model, max_batch=int(paper.ENV["RLBOOST_MAX_BATCH"]),
+                            grace_s=setup.grace_s, publish_s=setup.publish_s,
+                            start_s=setup.start_s, host_step_s=host_step_s)
+    cluster = Cluster(setup.reserved_gpus, list(setup.trace.times), list(setup.trace.counts),
+                      trace_length_s=setup.trace.length_s)
+    return work, costs, cluster
+
+
+def run_sim(policy: Policy, setup: paper.Setup, host_step_s: float) -> Outcome:
+    work, costs, cluster = sim_inputs(setup, host_step_s)
+    return simulate(policy, work, costs, cluster, setup.window_s,
+                    skew=int(paper.ENV["RLBOOST_REBALANCE_SKEW"]))
+
+
+def fit_host_step(setup: paper.Setup, rollout_s: float) -> float:
+    """The host seconds per decode step that make simulated (a) roll out in ``rollout_s``."""
+    lo, hi = 0.0, 0.05
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        if run_sim(RESERVED_ONLY, setup, mid).mean("rollout_s") < rollout_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = paper.parser().parse_args(argv)
+    exit_on_sigterm()
+    setup, chosen, title = paper.configure(args)
+    if letter(chosen[0]) != "a":
+        raise SystemExit("the check needs policy a first: it calibrates the host time on it")
+    print(title.replace("\n", " "), flush=True)
+    emulated: dict[str, paper_report.Outcome] = {}
+    started = time.monotonic()
+    for policy in chosen:
+        with tempfile.TemporaryDirectory(prefix="rlboost-simcheck-") as tmp:
+            t = time.monotonic()
+            emulated[letter(policy)] = paper.run_policy(policy, setup, Path(tmp))
+            print(f"  emulated {policy.name}: {len(emulated[letter(policy)].steps)} steps "
+                  f"({time.monotonic() - t:.0f}s wall)", flush=True)
+    base = emulated["a"]
+    host = fit_host_step(setup, base.total("rollout_s") / len(base.steps))
+    print(f"host time per decode step, fitted on (a): {host * 1e3:.2f} ms")
+    print(f"\n{'policy':<28} {'tok/s emu':>10} {'tok/s sim':>10} {'ratio':>6}  "
+          f"{'step s emu':>10} {'step s sim':>10} {'ratio':>6}  within 10 %")
+    ok = True
+    for policy in chosen:
+        key = letter(policy)
+        emu, sim = emulated[key], run_sim(SIM_POLICY[key], setup, host)
+        emu_step = emu.total("step_s") / len(emu.steps)
+        r_tps, r_step = sim.tokens_per_s / emu.tokens_per_s, sim.step_s / emu_step
+        good = abs(r_tps - 1) <= TOLERANCE and abs(r_step - 1) <= TOLERANCE
+        ok = ok and (good or key == "a")
+        note = "calibration" if key == "a" else ("yes" if good else "NO")
+        print(f"{policy.name:<28} {emu.tokens_per_s:>10,.0f} {sim.tokens_per_s:>10,.0f} "
+              f"{r_tps:>6.2f}  {emu_step:>10.2f} {sim.step_s:>10.2f} {r_step:>6.2f}  {note}")
+    print(f"\nsimulator within +-10 % of the emulation on every checked policy: "
+          f"{'yes' if ok else 'NO'} ({time.monotonic() - started:.0f}s in all)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
