@@ -56,6 +56,7 @@ class RunStore:
         self._activate = register(redis, "activate.lua")
         self._enqueue = register(redis, "enqueue.lua")
         self._prune = register(redis, "prune_runs.lua")
+        self._finish_step = register(redis, "finish_step.lua")
 
     async def create(self, spec: RunSpec) -> dict[str, Any]:
         run_id = "run-" + uuid.uuid4().hex[:12]
@@ -193,19 +194,25 @@ class RunStore:
         crash between the two writes the archive again with the retry's record, the one Redis
         then keeps. The step before it is then dropped from Redis (its archive serves it): a
         run holds the responses of its active step and the last finished one, whatever its
-        length. A late chunk for a dropped response is refused as unknown."""
+        length. A late chunk for a dropped response is refused as unknown. It records nothing
+        if the run is no longer at ``step`` when its script runs (finish_step.lua)."""
         text = json.dumps(record)
         await self.archive.write_step(run_id, step, text, samples_json)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.set(Keys.samples(run_id, step), samples_json)
-        pipe.rpush(Keys.step_records(run_id), text)
-        pipe.hset(Keys.run(run_id), mapping={"step": step + 1, "updated_at": time.time()})
-        if checkpoints is not None:
-            pipe.hset(Keys.run(run_id), "checkpoints", json.dumps(checkpoints))
-        if step + 1 >= steps:
-            pipe.hset(Keys.run(run_id), "state", "succeeded")
-            pipe.delete(Keys.active)
-        await pipe.execute()
+        recorded = await self._finish_step(
+            keys=[Keys.run(run_id), Keys.samples(run_id, step), Keys.step_records(run_id),
+                  Keys.active],
+            args=[step, samples_json, text, time.time(),
+                  "" if checkpoints is None else json.dumps(checkpoints),
+                  int(step + 1 >= steps)])
+        if not recorded:
+            # Another finish of this step got there first (this one's commands arrived late,
+            # or it is a retry): the archive keeps the record Redis keeps.
+            kept = [x for x in await self.r.lrange(Keys.step_records(run_id), 0, -1)
+                    if json.loads(x).get("step") == step]
+            kept_samples = await self.r.get(Keys.samples(run_id, step))
+            if kept and kept_samples is not None:
+                await self.archive.write_step(run_id, step, kept[-1], kept_samples)
+            return
         if step > 0:
             await self._drop_step(run_id, step - 1)
         if step + 1 >= steps:

@@ -151,3 +151,27 @@ async def test_concurrent_activation_never_loses_the_run(brokers: Stack, tmp_pat
     assert (await store.get(first["id"]) or {})["state"] == "running"
     assert (await store.get(second["id"]) or {})["state"] == "queued"
     await redis.aclose()
+
+
+async def test_a_late_second_finish_of_a_step_records_nothing(brokers: Stack,
+                                                              tmp_path: Path) -> None:
+    """A finish whose Redis commands arrive after its retry recorded the step (the client
+    timed out on a stalled link, the server ran them later) must not append a second record."""
+    from manager_svc.archive import Archive
+    from manager_svc.runs import RunSpec, RunStore
+
+    redis = await connect_redis(brokers.redis.url)
+    await redis.flushdb()
+    store = RunStore(redis, Archive(tmp_path))
+    run = await store.create(RunSpec(steps=2))
+    assert await store.active() == run["id"]
+    await store.finish_step(run["id"], 0, {"step": 0, "try": "retry"}, "[]", 2)
+    await store.finish_step(run["id"], 0, {"step": 0, "try": "late"}, "[]", 2)  # the late one
+    assert await store.step_records(run["id"]) == [{"step": 0, "try": "retry"}]
+    assert (await store.get(run["id"]) or {})["step"] == 1
+    archived = await store.archive.step(run["id"], 0)  # it keeps what Redis keeps
+    assert archived is not None and '"retry"' in archived["record"]
+    await store.finish_step(run["id"], 1, {"step": 1, "try": "only"}, "[]", 2)
+    assert [r["step"] for r in await store.step_records(run["id"])] == [0, 1]
+    assert (await store.get(run["id"]) or {})["state"] == "succeeded"
+    await redis.aclose()
