@@ -39,6 +39,11 @@ log = logging.getLogger("trainer")
 SAMPLES_PAGE = 512  # samples asked for per page; the manager may send fewer (message budget)
 FINISH_TRIES = 10  # a step report is sent this many times before the manager counts as lost
 FINISH_RETRY_S = 0.5
+# A status poll's reply is small and a page is at most one NATS message (1 MB): a reply lost to
+# a cut link or a restarted manager is waited for this long before the step is retried, so it
+# must stay under the lease TTL + grace a healed link is allowed to stall the run for.
+STATUS_TIMEOUT_S = 3.0
+PAGE_TIMEOUT_S = 5.0
 
 
 class ManagerClient:
@@ -63,7 +68,8 @@ class ManagerClient:
         """Where the step is (samples done, may training start, the barrier's digest), without
         any samples: a status poll."""
         return await request(self.nc, names.TRAINER_SAMPLES,
-                             StepSamplesQuery(run_id=run_id, step=step), StepSamples, 10.0)
+                             StepSamplesQuery(run_id=run_id, step=step), StepSamples,
+                             STATUS_TIMEOUT_S)
 
     async def samples(self, run_id: str, step: int, total: int) -> list[Sample]:
         """The step's ``total`` samples after its barrier, page by page (no message may exceed
@@ -72,7 +78,7 @@ class ManagerClient:
         while len(samples) < total:
             page = await request(self.nc, names.TRAINER_SAMPLES, StepSamplesQuery(
                 run_id=run_id, step=step, offset=len(samples), limit=SAMPLES_PAGE),
-                StepSamples, 10.0)
+                StepSamples, PAGE_TIMEOUT_S)
             if not page.samples:
                 raise RuntimeError(f"samples of step {step} ended at {len(samples)} of {total}")
             samples += page.samples
