@@ -92,3 +92,10 @@ gpu-check: venv
 # bench-paper's configuration on the real services (emu) and in the simulator, side by side
 bench-sim-check: venv
 	$(BIN)/python -m benchmarks.sim_check
+
+.PHONY: chaos
+# The fault campaign at scale, outside CI (CI runs its bounded default of 50 faults):
+# process, broker and link faults until FAULTS have hit, every run equal to the fault-free one
+FAULTS ?= 1000
+chaos: venv
+	RLBOOST_CHAOS_FAULTS=$(FAULTS) $(PYTEST) -s tests/system/test_faults.py -k faulted_run

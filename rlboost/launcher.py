@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,9 @@ class Cluster:
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # What one child's environment changes, by its name and environment: a fault test points
+    # each process at its own proxy of every link (tests.support.links). None: nothing.
+    per_child: Callable[[str, dict[str, str]], dict[str, str]] | None = None
 
     def start(self) -> None:
         logs = self.root / "logs"
@@ -119,7 +123,10 @@ class Cluster:
         }, self.root / "logs")
 
     def _spawn(self, name: str, argv: list[str], extra: dict[str, str], logs: Path) -> Child:
-        child = Child(name, argv, {**self.env, **extra}, logs / f"{name}.log")
+        env = {**self.env, **extra}
+        if self.per_child is not None:
+            env.update(self.per_child(name, env))
+        child = Child(name, argv, env, logs / f"{name}.log")
         child.start()
         self.children.append(child)
         return child

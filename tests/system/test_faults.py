@@ -1,26 +1,30 @@
-"""Fault injection with real processes: the invariants hold under any fault, token for token.
+"""Fault injection with real processes and links: the invariants hold under any fault, token
+for token.
 
 Rollout instances run the ``emu`` engine, whose tokens are a pure function of (seed, step,
 prompt, sample, position, weight version), so the exact response a fault-free run produces is
 known twice over: from a fault-free run on the same cluster, and from the engine's oracle.
 The faulted run must equal both, with every sample exactly once and from the step's version,
 while rollout instances are SIGKILLed, SIGTERMed (preemption notice), SIGSTOPped (zombies),
-join mid-step, and the manager, NATS and Redis are killed and restarted. A fault counts only
-if it hit a live process while a run was under way; joins, faults that found their process
-already gone and faults after a run ended are reported apart, never counted.
+join mid-step, the manager, NATS and Redis are killed and restarted, and the links between
+them (each process's own, through tests.support.faultproxy) are cut, black-holed, slowed, and
+half the spot instances partitioned at once (tests.support.chaos). A fault counts only if it
+hit a live process or link while a run was under way; joins, faults that found nothing live
+and faults after a run ended are reported apart, never counted. After every heal the run
+must move again within lease TTL + grace, and a partitioned instance must register again.
+
+RLBOOST_CHAOS_FAULTS scales the campaign (``make chaos FAULTS=1000``); CI runs the default.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
+import os
 import re
 import signal
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +32,15 @@ import httpx
 import msgspec
 import pytest
 
-from rlboost.launcher import Child, Cluster
+from rlboost.launcher import Cluster
 from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import EmuEngine
 from shared.protocol import RunSpec
-from shared.stack import Server, Stack, wait_port
+from shared.stack import Stack, wait_port
+from tests.support.chaos import Injector
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run, step_records
+from tests.support.links import Links
 from trainer_svc.policies import PRESETS, EmuPolicy
 
 pytestmark = pytest.mark.slow
@@ -60,171 +66,26 @@ def oracle(spec: dict[str, Any], sample: dict[str, Any], step: int) -> list[int]
         eos_token_id=2, weight_version=step))
 
 
+# A link heal must see the run move again within this: a lease expires, then its work is
+# dispatched again (seconds at most) or its instance hands it back within its grace period.
+STALL_BOUND_S = float(FAST["RLBOOST_LEASE_TTL_S"]) + float(FAST["RLBOOST_GRACE_S"])
+
+
 @pytest.fixture
-def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
-    c = start_cluster(tmp_path, brokers, spot=3, reserved=1, engine="emu", env=FAST)
+def links() -> Iterator[Links]:
+    proxies = Links()
+    yield proxies
+    proxies.close()
+
+
+@pytest.fixture
+def cluster(brokers: Stack, links: Links, tmp_path: Path) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path, brokers, spot=3, reserved=1, engine="emu",
+                      env={**FAST, **links.base_env()}, per_child=links)
     try:
         yield c
     finally:
         c.stop()
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    kind: str
-    at: float  # wall clock (time.time()), as the manager stamps a run's updated_at
-    run_id: str  # the run under way when it was injected
-
-
-def hit(child: Child, sig: int) -> bool:
-    """Send ``sig`` to ``child`` if it is alive; whether it was (a signal to a process that
-    already exited is no fault). A SIGKILL counts once the process is seen dead of it."""
-    if child.proc is None or child.proc.poll() is not None:
-        return False
-    try:
-        child.proc.send_signal(sig)
-    except ProcessLookupError:
-        return False
-    if sig == signal.SIGKILL:
-        return child.proc.wait(timeout=10) == -signal.SIGKILL
-    return True
-
-
-class Injector:
-    """Injects one random fault every ``interval_s`` while a run is under way (``run_id``
-    set), until stopped. A fault is recorded only if it hit a live process; instances started
-    to replace the killed (and the ``join`` kind) are joins, counted apart, as are faults
-    that found no live process to hit."""
-
-    def __init__(self, cluster: Cluster, brokers: Stack, seed: int, interval_s: float) -> None:
-        self.cluster = cluster
-        self.brokers = brokers
-        self.rng = random.Random(seed)
-        self.interval_s = interval_s
-        self.faults: list[Fault] = []
-        self.joins = 0
-        self.missed: Counter[str] = Counter()  # injections that hit no live process
-        self.errors: list[str] = []
-        self.run_id = ""  # the run under way; "" between runs: nothing is injected then
-        self._stop = threading.Event()
-        self._gate = threading.Lock()  # held while a fault is injected
-        self._next_id = 0
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def rollouts(self) -> list[Child]:
-        return [c for c in self.cluster.children
-                if c.name.startswith(("spot", "reserved", "join")) and c.alive()]
-
-    def _spare(self) -> None:
-        self._next_id += 1
-        self.cluster.add_instance("spot", f"join-{self._next_id}")
-        self.joins += 1
-
-    def busy_rollouts(self) -> list[Child]:
-        """Alive instances that hold work now (a fault on an idle one proves little)."""
-        try:
-            info = httpx.get(self.cluster.env["RLBOOST_MANAGER_URL"] + "/v1/instances",
-                             timeout=2).json()
-            busy = {i["id"] for i in info if i["held"] > 0}
-        except (httpx.HTTPError, ValueError, TypeError, KeyError):
-            busy = set()  # the manager is restarting: any instance will do
-        alive = self.rollouts()
-        return [c for c in alive if c.name in busy] or alive
-
-    def kill_rollout(self) -> bool:
-        victims = self.busy_rollouts()
-        done = len(self.rollouts()) > 1 and hit(self.rng.choice(victims), signal.SIGKILL)
-        self._spare()
-        return done
-
-    def preempt_rollout(self) -> bool:
-        victims = self.busy_rollouts()
-        done = len(self.rollouts()) > 1 and hit(self.rng.choice(victims), signal.SIGTERM)
-        self._spare()
-        return done
-
-    def join(self) -> bool:
-        if len(self.rollouts()) >= 6:
-            self.rollouts()[0].signal(signal.SIGTERM)
-        self._spare()
-        return False  # a join, not a fault: counted in joins
-
-    def zombie(self) -> bool:
-        victims = self.rollouts()
-        if len(victims) <= 1:
-            return False
-        victim = self.rng.choice(victims)
-        if not hit(victim, signal.SIGSTOP):
-            return False
-        time.sleep(2.0)  # past its 1.5 s lease: its responses move on without it
-        victim.signal(signal.SIGCONT)
-        return True
-
-    def restart_manager(self) -> bool:
-        manager = next(c for c in self.cluster.children if c.name == "manager")
-        done = hit(manager, signal.SIGKILL)
-        manager.start()
-        wait_port(int(self.cluster.env["RLBOOST_MANAGER_URL"].rsplit(":", 1)[1]), 30)
-        return done
-
-    @staticmethod
-    def restart_server(server: Server) -> bool:
-        alive = server.proc is not None and server.proc.poll() is None
-        server.restart()
-        return alive
-
-    def restart_nats(self) -> bool:
-        return self.restart_server(self.brokers.nats)
-
-    def restart_redis(self) -> bool:
-        return self.restart_server(self.brokers.redis)
-
-    def _loop(self) -> None:
-        kinds: list[tuple[str, Callable[[], bool], float]] = [
-            ("rollout_sigkill", self.kill_rollout, 0.28),
-            ("rollout_sigterm", self.preempt_rollout, 0.24),
-            ("join", self.join, 0.18),
-            ("zombie", self.zombie, 0.06),
-            ("manager_sigkill", self.restart_manager, 0.08),
-            ("nats_restart", self.restart_nats, 0.08),
-            ("redis_restart", self.restart_redis, 0.08),
-        ]
-        while not self._stop.wait(self.rng.uniform(0.5, 1.5) * self.interval_s):
-            name, fault, _ = self.rng.choices(kinds, weights=[k[2] for k in kinds])[0]
-            with self._gate:
-                run_id = self.run_id
-                if self._stop.is_set() or not run_id:
-                    continue  # between runs: nothing to hurt
-                try:
-                    at = time.time()
-                    if fault():
-                        self.faults.append(Fault(name, at, run_id))
-                    elif name != "join":
-                        self.missed[name] += 1
-                except Exception as exc:  # a fault that could not be injected is a test defect
-                    self.errors.append(f"{name}: {exc!r}")
-
-    def counted(self, ended: dict[str, float]) -> Counter[str]:
-        """Faults by kind that hit a run before it ended (``ended``: run id -> the time its
-        final state was recorded); one injected just after its run ended does not count."""
-        return Counter(f.kind for f in self.faults if f.at <= ended.get(f.run_id, 0.0))
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No fault is in flight or starts inside: the test can submit a run knowing that its
-        answer is the manager's (a POST cut off by a fault could still have queued a run)."""
-        with self._gate:
-            yield
-
-    def total(self) -> int:
-        return len(self.faults)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=30)
 
 
 # The faulted run must see FAULTS_MIN faults at least (and FAULTS_MAX at most, then it is left to
@@ -235,7 +96,10 @@ SPEC = {"model": "emu", "steps": 16, "prompts_per_step": 8, "samples_per_prompt"
         # most of the work, so preemptions hit busy instances.
         "seeding": {"mode": "fixed", "window_s": 0.5},
         "max_new_tokens": 96, "seed": 21}
-FAULTS_MIN, FAULTS_MAX, MAX_FAULTED_RUNS = 50, 60, 4
+FAULTS_MIN = int(os.environ.get("RLBOOST_CHAOS_FAULTS", "50"))
+FAULTS_MAX = FAULTS_MIN + max(10, FAULTS_MIN // 5)
+MAX_FAULTED_RUNS = max(4, FAULTS_MIN // 8)
+LINK_FAULTS_MIN = max(10, FAULTS_MIN // 5)
 
 
 def submit(client: httpx.Client, injector: Injector, port: int, known: set[str]) -> str:
@@ -278,7 +142,8 @@ def run_under_faults(client: httpx.Client, injector: Injector, run_id: str) -> N
     injector.run_id = ""
 
 
-def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack) -> None:
+def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack,
+                                           links: Links) -> None:
     url = cluster.env["RLBOOST_MANAGER_URL"]
     port = int(url.rsplit(":", 1)[1])
     with httpx.Client(base_url=url, timeout=10) as client:
@@ -286,7 +151,8 @@ def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack) -> 
         assert wait_run(client, clean_id, 240, cluster)["state"] == "succeeded"
         clean = check_run(client, clean_id, SPEC, REWARD)
 
-        injector = Injector(cluster, brokers, seed=7, interval_s=0.9)
+        injector = Injector(cluster, brokers, links, seed=7, interval_s=0.6,
+                            stall_bound_s=STALL_BOUND_S)
         injector.start()
         faulted_ids: list[str] = []
         try:
@@ -328,7 +194,26 @@ def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack) -> 
               f"runs, by kind {dict(sorted(counted.items()))}; apart: {injector.joins} joins, "
               f"{late} after their run ended, no live process for {dict(injector.missed)}")
         assert counted.total() >= FAULTS_MIN, counted
-        assert len(counted) >= 5, counted  # of the 6 kinds, the rarest may miss a run
+        assert len(counted) >= 5, counted  # of the many kinds, the rarest may miss a run
+        link_faults = sum(n for kind, n in counted.items() if kind.startswith(
+            ("cut_", "blackhole_", "slow_", "partition")))
+        assert link_faults >= LINK_FAULTS_MIN, counted
+        # Every heal: the run moved again within lease TTL + grace.
+        stalls = sorted(injector.recoveries, key=lambda r: r.stall_s)
+        slowest = [(r.kind, round(r.held_s, 1), round(r.stall_s, 2), r.healed_at, r.unanswered)
+                   for r in stalls[-3:]]
+        print(f"after {len(stalls)} heals the run moved again within "
+              f"{stalls[-1].stall_s if stalls else 0:.2f}s at worst (bound {STALL_BOUND_S}s); "
+              f"slowest (kind, held s, stall s, healed at, probes unanswered): {slowest}")
+        assert all(r.stall_s <= STALL_BOUND_S for r in stalls), stalls[-3:]
+        # A partition outlasts the lease: what the cut-off instances sent meanwhile arrived
+        # late and was refused as stale; and each of them, still running, registered again.
+        print(f"partitions: {counted['partition']} ({injector.busy_partitions} cut off work), "
+              f"instances cut off {injector.partitioned}, not rejoined "
+              f"{injector.not_rejoined}; stale chunks rejected {totals['stale_chunks_rejected']}")
+        assert not injector.not_rejoined
+        if injector.busy_partitions:
+            assert totals["stale_chunks_rejected"] > 0, totals
 
 
 def victim_revocations(metrics_port: int) -> float:
