@@ -213,6 +213,7 @@ class TrainerApi:
             "tokens_spot": int(info.get("tokens_spot", 0)), "window_s": window,
             "train_s": fin.train_s, "spot_ready_s": spot_first - started,
             "spot_busy_s": done - spot_first, "spot_count": len(spot),
+            "publish_s": fin.publish_s,
         })
         await self.redis.hset(Keys.seeding(fin.run_id), mapping=state.dump())
 

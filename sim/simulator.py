@@ -373,7 +373,7 @@ class Simulator:
             "tokens": tokens, "tokens_reserved": step.tokens_reserved,
             "tokens_spot": step.tokens_spot, "window_s": window, "train_s": t.busy_s,
             "spot_ready_s": spot_first - step.started, "spot_busy_s": step.barrier_at - spot_first,
-            "spot_count": spot_now})
+            "spot_count": spot_now, "publish_s": self.costs.publish_s})
         self.records.append(record)
         self.trainer = Trainer()
         self.step = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from manager_svc import placement
+from manager_svc.seeding import SeedingState, observe
+from sim import ideal
 from sim.config import RESERVED_ONLY, RLBOOST, Cluster, Costs, Policy, Workload
 from sim.events import EventQueue
 from sim.outcome import simulate
@@ -93,3 +95,26 @@ def test_rebalance_moves_half_the_skew_from_the_busiest_after_idling() -> None:
     assert chosen is not None and chosen[0]["id"] == "a" and chosen[2] == 5
     assert placement.rebalance_move(rows, {"b": 0.0}, {"a": 0.5}, 1.5, 4) is None  # cooldown
     assert placement.least_advanced([("x", 9), ("y", 1), ("z", 5)], 2) == ["y", "z"]
+
+
+def test_no_policy_beats_the_ideal_bound() -> None:
+    cluster = Cluster(reserved_gpus=2, spot_times=[0.0], spot_counts=[4])
+    work = Workload(prompts=32, samples=8, max_new_tokens=256, mean_tokens=64.0, seed=3)
+    for policy, spot in ((RESERVED_ONLY, 0.0), (RLBOOST, 4.0)):
+        out = simulate(policy, work, COSTS, cluster, 60.0)
+        for s in out.steps:
+            bound = ideal.step_bound(work, COSTS, s["step"], 2, spot)
+            assert bound.critical_s > 0 and bound.work_s > 0
+            assert bound.step_s <= s["step_s"], (policy.name, s["step"])
+
+
+def test_seeding_measures_spot_rate_on_the_instances_that_did_the_work() -> None:
+    # Chosen on 8 instances, ended on 2: the rate per instance is over the mean, 5, not 2;
+    # and the publish, which follows the barrier whatever the window, is not training.
+    state = SeedingState(spot_count=8)
+    observe(state, {"tokens": 1000, "tokens_reserved": 200, "tokens_spot": 800,
+                    "window_s": 2.0, "train_s": 30.0, "publish_s": 10.0, "spot_ready_s": 1.0,
+                    "spot_busy_s": 10.0, "spot_count": 2})
+    assert state.spot_rate_each == 800 / 10.0 / 5
+    assert state.train_s_per_token == 20.0 / 1000
+    assert state.reserved_rate == 100.0
