@@ -99,3 +99,8 @@ bench-sim-check: venv
 FAULTS ?= 1000
 chaos: venv
 	RLBOOST_CHAOS_FAULTS=$(FAULTS) $(PYTEST) -s tests/system/test_faults.py -k faulted_run
+
+.PHONY: bench-paper-sim
+# The paper's figure set at the paper's scale in the simulator: docs/results/ + README results
+bench-paper-sim: venv
+	$(BIN)/python -m benchmarks.paper_sim
