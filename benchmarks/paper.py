@@ -234,20 +234,26 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(run_policy(policy, setup, Path(tmp)))
             print(f"  {policy.name}: {len(outcomes[-1].steps)} steps measured "
                   f"({time.monotonic() - t:.0f}s wall)", flush=True)
+    write_outputs(outcomes, args.out, title)
+    print(f"{time.monotonic() - started:.0f}s in all")
+    return 0
+
+
+def write_outputs(outcomes: list[paper_report.Outcome], out: Path, title: str) -> None:
+    """Print the table; write the plot, the table and the step records under ``out``."""
     prices = paper_report.Prices.from_env()
     rows = paper_report.table(outcomes, prices)
     print(f"\n{paper_report.render(rows, markdown=False)}")
     print(f"\nprices per GPU-hour: on-demand ${prices.on_demand_gpu_h:.2f}, spot "
-          f"${prices.spot_gpu_h:.2f}; {time.monotonic() - started:.0f}s in all")
-    args.out.mkdir(parents=True, exist_ok=True)
-    paper_report.plot(outcomes, args.out / "bench-paper.png", title)
-    (args.out / "bench-paper.md").write_text(
+          f"${prices.spot_gpu_h:.2f}")
+    out.mkdir(parents=True, exist_ok=True)
+    paper_report.plot(outcomes, out / "bench-paper.png", title)
+    (out / "bench-paper.md").write_text(
         f"{title}\n\n{paper_report.render(rows, markdown=True)}\n\nprices per GPU-hour: "
         f"on-demand ${prices.on_demand_gpu_h:.2f}, spot ${prices.spot_gpu_h:.2f}\n")
-    (args.out / "bench-paper-steps.json").write_text(json.dumps(
+    (out / "bench-paper-steps.json").write_text(json.dumps(
         {o.policy: o.steps for o in outcomes}, indent=1))
-    print(f"wrote {args.out / 'bench-paper.png'}, bench-paper.md, bench-paper-steps.json")
-    return 0
+    print(f"wrote {out / 'bench-paper.png'}, bench-paper.md, bench-paper-steps.json")
 
 
 if __name__ == "__main__":
