@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import paper_sim_plots as plots
@@ -39,7 +38,7 @@ from sim.config import (
     Workload,
 )
 from sim.hindsight import StepCompare, compare
-from sim.outcome import Outcome, simulate
+from sim.outcome import Result, simulate
 
 MODELS = ["emu-8b", "emu-14b", "emu-32b"]
 TRACES = ["p3", "g4dn", "gcp"]
@@ -50,20 +49,6 @@ RATIOS = [0.5, 1.0, 2.0]
 SHARP = ([0.0, 2400.0, 4800.0, 7200.0], [8, 2, 12, 4])
 SWEEP = [0.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0, 600.0]
 README_BEGIN, README_END = "<!-- paper-sim:begin -->", "<!-- paper-sim:end -->"
-
-
-@dataclass
-class Result:
-    model: str
-    trace: str
-    ratio: float
-    outcome: Outcome
-    ideal_step_s: float
-    spot_mean: float
-
-    @property
-    def of_ideal(self) -> float:
-        return self.ideal_step_s / self.outcome.step_s
 
 
 def cluster_for(trace: str, model: str, ratio: float) -> Cluster:

@@ -9,8 +9,8 @@ from rollout_svc.engines.emu_models import response_length
 from sim.config import Workload
 
 if TYPE_CHECKING:
-    from benchmarks.paper_sim import Result
     from sim.hindsight import StepCompare
+    from sim.outcome import Result
 
 PAPER_THROUGHPUT = (1.51, 1.97)  # RLBoost, NSDI 2026
 PAPER_COST = (1.28, 1.49)

@@ -49,6 +49,22 @@ class Outcome:
             if self.steps else 0.0
 
 
+@dataclass
+class Result:
+    """An outcome with its configuration and its ideal step time (:mod:`sim.ideal`)."""
+
+    model: str
+    trace: str
+    ratio: float
+    outcome: Outcome
+    ideal_step_s: float
+    spot_mean: float
+
+    @property
+    def of_ideal(self) -> float:
+        return self.ideal_step_s / self.outcome.step_s
+
+
 def simulate(policy: Policy, workload: Workload, costs: Costs, cluster: Cluster,
              span_s: float, skew: int = 8, warmup_steps: int = 1) -> Outcome:
     """Run ``policy`` for ``span_s`` simulated seconds after its warm-up steps; measure the
