@@ -53,6 +53,17 @@ def _ints(text: str | None) -> list[int]:
     return [int(t) for t in text.split(",")] if text else []
 
 
+_EXTEND_REFUSED = {
+    -1: "the step does not exist or does not use dynamic sampling",
+    -2: "the step is closed, or its prompt count is not the extension's first index",
+    -3: "the extension would pass max_gen_batches * prompts_per_step prompts",
+}
+
+
+class StepRefused(Exception):
+    """A dynamic-sampling change the step's state does not allow (the trainer re-reads it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CommitResult:
     status: str  # ok | final | group | step | duplicate | stale | gap | wrong_version | ...
@@ -76,6 +87,8 @@ class Ledger:
         self._renew_many = register(redis, "renew_many.lua")
         self._create_requests = register(redis, "create_requests.lua")
         self._create_step = register(redis, "create_step.lua")
+        self._extend_step = register(redis, "extend_step.lua")
+        self._close_step = register(redis, "close_step.lua")
         self._held_prefix = Keys.instance("")
         # The commit script finds a step's sets by suffix; names.Keys stays the one definition.
         base = Keys.step("r", 0)
@@ -114,8 +127,12 @@ class Ledger:
         extra = dict(extra or {})
         if "window_s" in extra:
             extra["window_end"] = now + float(extra["window_s"])
+        # A dynamic-sampling step holds one extra count in ``remaining`` until the trainer
+        # closes it: completing every response it has so far is not its barrier.
+        hold = int(extra.get("dynamic", 0))
         fields: dict[str, str | int | float] = {
-            "version": version, "total": total, "remaining": total, "state": "rollout",
+            "version": version, "total": total, "remaining": total + hold, "state": "rollout",
+            "prompts": len(prompts), "tokens_discarded": 0,
             "started_at": now, "tokens": 0, "migrations": 0, "preemptions": 0,
             "duplicate_chunks_dropped": 0, "stale_chunks_rejected": 0, "tokens_regenerated": 0,
             "forged_chunks_rejected": 0, "invalid_chunks_dropped": 0,
@@ -125,6 +142,48 @@ class Ledger:
         created = await self._create_step(keys=[skey, Keys.seeding(run_id)], args=[
             _flat(fields), _flat(seeding or {})])
         return bool(created)
+
+    async def extend_step(self, run_id: str, step: int, first: int, prompts: list[list[int]],
+                          samples: int, max_new_tokens: int, max_prompts: int) -> int:
+        """Dynamic sampling: add ``prompts`` as prompt indices ``first ..`` of a created step,
+        in one script (``lua/extend_step.lua``); returns the step's prompt count after it (a
+        retry of an applied extension returns it unchanged). Raises :class:`StepRefused` when
+        the step is not dynamic, is closed, has another count than ``first``, or would pass
+        ``max_prompts``."""
+        args: list[str | int] = [Keys.request(""), first, samples, max_prompts, max_new_tokens,
+                                 run_id, step]
+        for i, prompt in enumerate(prompts):
+            csv = _csv(prompt)
+            for s in range(samples):
+                args += [request_id(run_id, step, first + i, s), first + i, s, csv]
+        got = int(await self._extend_step(
+            keys=[Keys.step(run_id, step), Keys.pending(run_id, step)], args=args))
+        if got < 0:
+            raise StepRefused(_EXTEND_REFUSED[got])
+        return got
+
+    async def close_step(self, run_id: str, step: int, keep: list[int], filtered: list[int],
+                         capped: bool) -> tuple[int, list[tuple[str, str]]]:
+        """Dynamic sampling: the step trains on exactly the groups ``keep``; everything else
+        leaves it, in one script (``lua/close_step.lua``). Returns the tokens it discarded and
+        (owner, request id) of each response aborted in flight, for the caller to tell its
+        owner (a lost message is made up for by the owner's next heartbeat, whose lease
+        renewal fails). A retry after it applied returns (0, []) and changes nothing."""
+        got = await self._close_step(
+            keys=[Keys.step(run_id, step), Keys.pending(run_id, step),
+                  Keys.leased(run_id, step), Keys.done(run_id, step),
+                  Keys.dropped(run_id, step)],
+            args=[Keys.request(""), Keys.lease(""), self._held_prefix, int(capped),
+                  _csv(sorted(keep)), _csv(sorted(filtered))])
+        status = int(got[0])
+        if status == -1:
+            raise StepRefused("the step does not exist or does not use dynamic sampling")
+        if status == -2:
+            raise StepRefused(f"kept group {got[1]} is not complete")
+        if status == 0:
+            return 0, []
+        told = [str(x).split("|", 1) for x in got[2:]]
+        return int(got[1]), [(owner, rid) for owner, rid in told]
 
     async def _write_requests(self, skey: str, pending: str, args: list[str | int]) -> bool:
         """One batch of responses; False once the step exists (another call created it)."""

@@ -124,6 +124,8 @@ class ChunkIngest:
             self.metrics.chunks.labels(result.status).inc()
             if result.status in ("ok", "final", "group", "step"):
                 self.metrics.tokens.inc(len(chunk.token_ids))
+            elif result.status == "aborted":  # its step closed without it (dynamic sampling)
+                self.metrics.discarded.inc(len(chunk.token_ids))
             elif result.status in ("gap", "wrong_version", "overlong"):
                 self.metrics.revocations.labels(result.status).inc()
                 log.info("chunk of %s from %s: %s; taken back", chunk.request_id,

@@ -16,6 +16,10 @@ class ManagerMetrics:
             "rlboost_tokens_committed_total", "Tokens committed exactly once",
             registry=self.registry,
         )
+        self.discarded = Counter(
+            "rlboost_tokens_discarded_total", "Tokens of responses that dynamic sampling "
+            "aborted or left out of a closed step (never trained on)", registry=self.registry,
+        )
         self.forged = Counter(
             "rlboost_forged_chunks_rejected_total", "Chunks not from their lease holder (bad "
             "MAC, or another instance's subject), rejected before any commit",

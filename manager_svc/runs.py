@@ -33,7 +33,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 # Step counters that can still move after the step's record is written (a zombie's late chunks).
 LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
                  "stale_chunks_rejected", "tokens_regenerated", "forged_chunks_rejected",
-                 "invalid_chunks_dropped")
+                 "invalid_chunks_dropped", "tokens_discarded")
 WARNINGS_MAX = 50  # warnings kept per run
 DROP_BATCH = 1024  # keys per DEL when a finished step leaves Redis
 
@@ -221,7 +221,8 @@ class RunStore:
     async def _drop_step(self, run_id: str, step: int) -> None:
         """Delete a finished, archived step's responses and samples (its hash stays until
         the run retires: it is small, and its fault counters may still move)."""
-        sets = [Keys.done(run_id, step), Keys.pending(run_id, step), Keys.leased(run_id, step)]
+        sets = [Keys.done(run_id, step), Keys.pending(run_id, step), Keys.leased(run_id, step),
+                Keys.dropped(run_id, step)]
         pipe = self.r.pipeline(transaction=False)
         for key in sets:
             pipe.smembers(key)
@@ -264,7 +265,8 @@ class RunStore:
         keys = [Keys.step_records(run_id), Keys.run_warnings(run_id), Keys.events(run_id),
                 Keys.run_instances(run_id), Keys.seeding(run_id)]
         for n in range(step + 1):  # the current step too, if the run ended inside it
-            sets = [Keys.done(run_id, n), Keys.pending(run_id, n), Keys.leased(run_id, n)]
+            sets = [Keys.done(run_id, n), Keys.pending(run_id, n), Keys.leased(run_id, n),
+                    Keys.dropped(run_id, n)]
             pipe = self.r.pipeline(transaction=False)
             for key in sets:
                 pipe.smembers(key)

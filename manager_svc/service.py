@@ -34,6 +34,7 @@ from manager_svc.callout import AuthCallout
 from manager_svc.chunk_auth import ChunkAuth
 from manager_svc.crash import CrashPoints
 from manager_svc.dispatcher import Dispatcher
+from manager_svc.dynamic_sampling import DynamicSteps
 from manager_svc.events import InstanceEvents
 from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
@@ -52,6 +53,8 @@ from shared.protocol import (
     Release,
     RunFailed,
     RunWarning,
+    StepClose,
+    StepExtend,
     StepFinish,
     StepRecordQuery,
     StepSamplesQuery,
@@ -108,6 +111,8 @@ class ManagerService:
         await self._serve(names.TRAINER_FAIL, RunFailed, self.trainer.on_run_failed)
         await self._serve(names.TRAINER_RECORD, StepRecordQuery, self.trainer.on_record)
         await self._serve(names.TRAINER_WARN, RunWarning, self.trainer.on_warning)
+        await self._serve(names.TRAINER_EXTEND, StepExtend, self.dynamic.on_extend)
+        await self._serve(names.TRAINER_CLOSE, StepClose, self.dynamic.on_close)
         self._tasks = [
             asyncio.create_task(self._supervised(self.ingest.consume), name="chunk-ingest"),
             asyncio.create_task(self._supervised(self.dispatcher.run), name="dispatch"),
@@ -129,6 +134,7 @@ class ManagerService:
         self.dispatcher = Dispatcher(cfg, redis, nc, self.ledger, self.runs, self.registry,
                                      self.ingest, metrics, soft, crash)
         self.trainer = TrainerApi(redis, self.ledger, self.runs, self.registry, metrics, soft)
+        self.dynamic = DynamicSteps(nc, self.ledger, self.runs, self.ingest, metrics, soft)
 
     async def stop(self) -> None:
         if self.soft.stopping:

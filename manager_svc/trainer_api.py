@@ -46,6 +46,10 @@ from shared.protocol import (
 log = logging.getLogger("manager")
 # Samples per reply at most; fewer when they would not fit in one message.
 SAMPLES_PAGE_MAX = 512
+# A dynamic-sampling step's own record fields (lua/close_step.lua writes them; tokens_discarded
+# is a live counter, read with the others).
+DYNAMIC_FIELDS = ("groups_kept", "groups_filtered", "groups_discarded",
+                  "tokens_filtered", "responses_aborted", "dynamic_sampling_capped")
 
 
 class TrainerApi:
@@ -92,7 +96,7 @@ class TrainerApi:
                 msg.run_id, msg.step, msg.weight_version, msg.prompt_token_ids,
                 spec.samples_per_prompt, spec.max_new_tokens,
                 extra={"eos": msg.eos_token_id, "vocab": msg.vocab_size, "mode": mode,
-                       "window_s": window,
+                       "window_s": window, "dynamic": int(bool(spec.dynamic_sampling)),
                        # Seeding off and spot capacity present: the reserved side only trains.
                        "reserved_free": int(mode == "off" and spot_alive > 0)},
                 seeding=seeding.dump()))
@@ -125,7 +129,12 @@ class TrainerApi:
         rids = sorted(await self.redis.smembers(Keys.done(query.run_id, query.step)))
         limit = max(0, min(query.limit, SAMPLES_PAGE_MAX))
         page = rids[max(0, query.offset):max(0, query.offset) + limit]
-        free = await self.redis.hget(Keys.step(query.run_id, query.step), "reserved_free")
+        info = await self.redis.hgetall(Keys.step(query.run_id, query.step))
+        # A dynamic step's complete groups, until its barrier: a trainer that missed their
+        # announcements (it restarted) pages them in, as no barrier comes before it decides.
+        groups_done = sorted(int(k[2:]) for k, v in info.items()
+                             if k.startswith("g:") and v == "0") \
+            if info.get("dynamic") == "1" and digest is None else []
         # In request-id order, like the page: a trimmed reply must end where the next begins.
         samples = sorted(await self.ledger.samples(page) if page else [],
                          key=lambda x: x.request_id)
@@ -136,8 +145,9 @@ class TrainerApi:
                 break
             fits += 1
         return StepSamples(run_id=query.run_id, step=query.step, complete=digest is not None,
-                           train_now=digest is not None or free == "1", samples=samples[:fits],
-                           done=len(rids), digest=digest)
+                           train_now=digest is not None or info.get("reserved_free") == "1",
+                           samples=samples[:fits], done=len(rids), digest=digest,
+                           prompts=int(info.get("prompts", 0)), groups_done=groups_done)
 
     async def on_finish(self, fin: StepFinish) -> Ack:
         run = await self.runs.get(fin.run_id)
@@ -184,6 +194,9 @@ class TrainerApi:
             **{k: v for k, v in fin.stats.items() if k in STEP_STATS and math.isfinite(v)},
             "reward_errors": fin.reward_errors,
         }
+        if info.get("dynamic") == "1":  # what dynamic sampling generated, kept and threw away
+            record.update({k: int(info.get(k, 0)) for k in DYNAMIC_FIELDS},
+                          prompts_generated=int(info.get("prompts", 0)))
         if fin.eval_reward_mean is not None:
             record["eval_reward_mean"] = fin.eval_reward_mean
             record["eval_responses"] = fin.eval_responses

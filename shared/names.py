@@ -38,6 +38,8 @@ TRAINER_FINISH = f"{PREFIX}.trainer.finish"
 TRAINER_FAIL = f"{PREFIX}.trainer.fail"
 TRAINER_RECORD = f"{PREFIX}.trainer.record"
 TRAINER_WARN = f"{PREFIX}.trainer.warn"
+TRAINER_EXTEND = f"{PREFIX}.trainer.extend"  # dynamic sampling: more prompts for a step
+TRAINER_CLOSE = f"{PREFIX}.trainer.close"  # dynamic sampling: the step's groups are decided
 WEIGHTS_ANNOUNCE = f"{PREFIX}.weights.announce"
 CHUNK_WILDCARD = f"{PREFIX}.chunk.>"
 AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"
@@ -142,6 +144,12 @@ class Keys:
     def done(run_id: str, step: int) -> str:
         """Set of request ids of the step whose response is complete."""
         return f"{PREFIX}:step:{run_id}:{step}:done"
+
+    @staticmethod
+    def dropped(run_id: str, step: int) -> str:
+        """Set of request ids of the step that dynamic sampling left out of its training data
+        (complete but not kept, or aborted in flight); kept so their hashes are deleted too."""
+        return f"{PREFIX}:step:{run_id}:{step}:dropped"
 
     @staticmethod
     def seeding(run_id: str) -> str:

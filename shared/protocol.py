@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from shared.algorithm import AlgorithmConfig, AlgorithmConfigError
+from shared.algorithm import AlgorithmConfig
 from shared.errors import ProtocolError
 from shared.names import INSTANCE_ID_MAX, INSTANCE_ID_PATTERN, REQUEST_ID_PATTERN
 
@@ -119,6 +119,10 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     updates_per_step: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None  # passes per step
     minibatches: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None  # steps per pass
     dynamic_sampling: bool | None = None  # DAPO: train only on groups whose rewards differ
+    # Dynamic sampling's bound on generation (veRL's max_num_gen_batches): a step draws at most
+    # this many batches of prompts_per_step prompts; short of informative groups then, it
+    # trains on those it has and its record says so (dynamic_sampling_capped).
+    max_gen_batches: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
 
     def __post_init__(self) -> None:
         # A ValueError here is a validation error to msgspec's decoder: a bad combination of
@@ -128,15 +132,17 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The objective this run trains with: knobs, paper defaults scaled to the run."""
-        if self.dynamic_sampling:
-            raise AlgorithmConfigError(
-                "dynamic_sampling", "is not available yet: the manager cannot yet replace "
-                "groups whose rewards are all equal (DAPO runs without it by default)")
         cfg = AlgorithmConfig.for_run(
             {name: getattr(self, name) for name in _ALGORITHM_FIELDS},
             max_new_tokens=self.max_new_tokens, groups_per_step=self.prompts_per_step)
-        # DAPO's paper default; until the manager can generate replacement groups it is off.
-        return cfg.with_(dynamic_sampling=False) if cfg.dynamic_sampling else cfg
+        # Only when asked, though DAPO's paper has it: it changes what a step costs (more
+        # prompts generated, some responses aborted), which a user should choose knowingly.
+        return cfg if self.dynamic_sampling else cfg.with_(dynamic_sampling=False)
+
+    @property
+    def max_prompts(self) -> int:
+        """The most prompts one step may generate (dynamic sampling extends up to it)."""
+        return self.prompts_per_step * (self.max_gen_batches if self.dynamic_sampling else 1)
 
     def _check_data(self) -> None:
         if self.dataset is None:
@@ -308,6 +314,27 @@ class GroupDone(Msg):
 MESSAGE_BUDGET = 768 * 1024
 
 
+class StepExtend(Msg):
+    """Dynamic sampling: add prompts ``first_index ..`` to a step that is short of informative
+    groups. Applied once: a retry (same ``first_index``) after it was applied is acknowledged."""
+
+    run_id: str
+    step: int
+    first_index: int  # the step's prompt count before this extension
+    prompt_token_ids: list[list[int]]  # each sampled samples_per_prompt times, like StepStart's
+
+
+class StepClose(Msg):
+    """Dynamic sampling: the step trains on exactly the groups ``keep``. Every other response of
+    the step leaves it (in flight: aborted); then the barrier. Applied once, like StepExtend."""
+
+    run_id: str
+    step: int
+    keep: list[int]  # prompt indices of the groups trained on (complete, rewards not all equal)
+    filtered: list[int] = []  # complete groups dropped because their rewards are all equal
+    capped: bool = False  # max_gen_batches was reached short of prompts_per_step kept groups
+
+
 class StepSamplesQuery(Msg):
     run_id: str
     step: int
@@ -325,6 +352,8 @@ class StepSamples(Msg):
     samples: list[Sample] = []  # completed samples [offset, offset + limit) of the query
     done: int = 0  # completed samples so far
     digest: Digest | None = None
+    prompts: int = 0  # prompts in the step so far (dynamic sampling extends it)
+    groups_done: list[int] = []  # complete groups (dynamic sampling only, before the barrier)
 
 
 class Handoff(Msg):

@@ -135,6 +135,13 @@ class PromptDataset:
         """The ``n`` examples of step ``step`` in a run seeded ``seed`` (module docstring)."""
         return [self[i] for i in draw_indices(seed, step, n, len(self))]
 
+    def draw_extra(self, seed: int, step: int, start: int, stop: int) -> list[Example]:
+        """Dynamic sampling's extra prompts ``start .. stop - 1`` of step ``step``: uniform
+        draws from their own seeded stream, one per index (the epoch stream's next rows are
+        the next step's prompts)."""
+        return [self[random.Random(f"rlboost-dataset-extra/{seed}/{step}/{i}").randrange(
+            len(self))] for i in range(start, stop)]
+
 
 @functools.lru_cache(maxsize=4)
 def _epoch_order(seed: int, epoch: int, size: int) -> tuple[int, ...]:

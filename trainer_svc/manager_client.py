@@ -25,6 +25,8 @@ from shared.protocol import (
     RunFailed,
     RunWarning,
     Sample,
+    StepClose,
+    StepExtend,
     StepFinish,
     StepRecord,
     StepRecordQuery,
@@ -58,10 +60,21 @@ class ManagerClient:
 
     async def start_step(self, msg: StepStart) -> None:
         """Hand the step's prompts to the manager; starting a started step is a no-op there."""
-        ack = await request(self.nc, names.TRAINER_START, msg, Ack, 5.0)
+        await self._change(names.TRAINER_START, msg)
+
+    async def extend_step(self, msg: StepExtend) -> None:
+        """Dynamic sampling: add prompts to the step (applied once, however often sent)."""
+        await self._change(names.TRAINER_EXTEND, msg)
+
+    async def close_step(self, msg: StepClose) -> None:
+        """Dynamic sampling: train the step on ``msg.keep``; the barrier follows."""
+        await self._change(names.TRAINER_CLOSE, msg)
+
+    async def _change(self, subject: str, msg: StepExtend | StepClose | StepStart) -> None:
+        ack = await request(self.nc, subject, msg, Ack, 5.0)
         if not ack.ok:
-            if ack.retryable:
-                raise PeerError(names.TRAINER_START, ack.detail, True)
+            if ack.retryable:  # the step is redone from the manager's state
+                raise PeerError(subject, ack.detail, True)
             raise RunAborted(ack.detail)
 
     async def step_state(self, run_id: str, step: int) -> StepSamples:

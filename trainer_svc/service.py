@@ -40,12 +40,15 @@ from shared.protocol import (
     RunSpec,
     Sample,
     SampleReward,
+    StepClose,
+    StepExtend,
     StepFinish,
     StepStart,
     sample_digest,
 )
 from shared.settings import reveal
 from shared.weights import upload_version
+from trainer_svc.dynamic_sampling import Close, Extend, GroupFilter
 from trainer_svc.errors import RunAborted
 from trainer_svc.manager_client import ManagerClient
 from trainer_svc.policies import Policy, make_policy
@@ -71,9 +74,19 @@ class ActiveTraining:
     prompts: list[StepPrompt] = field(default_factory=list)  # this step's
     trackers: Trackers = field(default_factory=lambda: Trackers({}))
 
-    def begin_step(self, prompts: list[StepPrompt]) -> None:
+    step: int = 0  # the step in progress
+    scored: dict[int, list[Sample]] = field(default_factory=dict)  # dynamic sampling: by prompt
+    ready: list[int] = field(default_factory=list)  # kept, scored, not yet trained, in order
+
+    def begin_step(self, step: int, prompts: list[StepPrompt]) -> None:
         self.trained, self.texts, self.reward_errors, self.prompts = {}, {}, 0, prompts
+        self.step, self.scored, self.ready = step, {}, []
         self.policy.reset()
+
+    def release(self, n: int) -> list[list[Sample]]:
+        """The first ``n`` ready groups, to train now."""
+        out, self.ready = self.ready[:n], self.ready[n:]
+        return [self.scored.pop(p) for p in out]
 
     def trained_samples(self) -> list[Sample]:
         return [s for group in self.trained.values() for s in group]
@@ -236,12 +249,22 @@ class TrainerService:
             prompt_token_ids=[p.token_ids for p in prompts],
             eos_token_id=run.workload.eos_token_id, vocab_size=run.policy.vocab_size))
         clock = StepClock()
-        run.begin_step(prompts)
+        run.begin_step(step, prompts)
         evaluated = await self._evaluate(run, step, clock)
-        feed = StepFeed(self.manager, self.events, run.run_id, step, self.cfg.poll_s)
+        feed = StepFeed(self.manager, self.events, run.run_id, step, self.cfg.poll_s,
+                        dynamic=bool(run.spec.dynamic_sampling))
+        kept = GroupFilter(run.spec.prompts_per_step, run.spec.max_prompts,
+                           run.spec.prompts_per_step) if run.spec.dynamic_sampling else None
         async for prompt_index, group in feed.groups():  # as they complete, then the rest
             with clock.busy():
-                await self._train_group(run, prompt_index, group)
+                if kept is None:
+                    await self._train_group(run, await self._score_group(run, prompt_index,
+                                                                         group))
+                else:
+                    await self._filter_group(run, step, kept, feed, prompt_index, group)
+        with clock.busy():
+            for group in run.release(len(run.ready)):  # kept, deferred while rollout shared GPUs
+                await self._train_group(run, group)
         trained = self._check_barrier(run, feed.digest)
         with clock.busy():
             stats = await asyncio.to_thread(run.policy.step, step)  # the optimizer step
@@ -258,10 +281,12 @@ class TrainerService:
 
     # --- its parts -------------------------------------------------------------------------
 
-    async def _train_group(self, run: ActiveTraining, prompt_index: int,
-                           group: list[Sample]) -> None:
-        """Score one group and accumulate its gradients (advantages are relative within it)."""
+    async def _score_group(self, run: ActiveTraining, prompt_index: int,
+                           group: list[Sample]) -> list[Sample]:
+        """The group in sample order, each sample's reward filled in."""
         group = sorted(group, key=lambda s: s.sample_index)
+        if prompt_index >= len(run.prompts):  # dynamic sampling's extra prompts, redrawn
+            run.prompts = run.workload.prompts(run.step, prompt_index + 1)
         scored = await run.workload.score(run.prompts[prompt_index],
                                           [s.response_token_ids for s in group])
         for s, reward in zip(group, scored.rewards, strict=True):
@@ -269,6 +294,45 @@ class TrainerService:
         run.texts[prompt_index] = scored.texts
         run.reward_errors += scored.errors
         self.reward_errors.inc(scored.errors)
+        return group
+
+    async def _filter_group(self, run: ActiveTraining, step: int, kept: GroupFilter,
+                            feed: StepFeed, prompt_index: int, group: list[Sample]) -> None:
+        """Dynamic sampling: score the group, keep it only if it is informative and among the
+        step's lowest ``prompts_per_step`` such (trainer_svc.dynamic_sampling), and extend or
+        close the step when that decides it. Kept groups train once rollout leaves the GPUs."""
+        group = await self._score_group(run, prompt_index, group)
+        run.scored[prompt_index] = group
+        if feed.digest is not None:  # past the barrier: the manager holds only kept groups
+            run.ready.append(prompt_index)
+        else:
+            kept.sync(feed.prompts)
+            kept.add(prompt_index, [float(s.reward or 0.0) for s in group])
+            run.ready += kept.release()
+            action = kept.action()
+            if isinstance(action, Extend):
+                stop = action.first + action.count
+                run.prompts = run.workload.prompts(step, stop)
+                await self.manager.extend_step(StepExtend(
+                    run_id=run.run_id, step=step, first_index=action.first,
+                    prompt_token_ids=[p.token_ids for p in run.prompts[action.first:stop]]))
+                kept.sync(stop)
+            elif isinstance(action, Close):
+                await self.manager.close_step(StepClose(
+                    run_id=run.run_id, step=step, keep=action.keep, filtered=action.filtered,
+                    capped=action.capped))
+                if action.capped:
+                    await self.manager.warn(run.run_id, (
+                        f"step {step}: {len(action.keep)} of {run.spec.prompts_per_step} groups "
+                        f"informative after {kept.prompts} prompts (max_gen_batches "
+                        f"{run.spec.max_gen_batches}); trained on those"))
+        if feed.train_now:
+            for ready in run.release(len(run.ready)):
+                await self._train_group(run, ready)
+
+    async def _train_group(self, run: ActiveTraining, group: list[Sample]) -> None:
+        """Accumulate one scored group's gradients (advantages are relative within it)."""
+        prompt_index = group[0].prompt_index
         await asyncio.to_thread(run.policy.add_group, Group(
             prompt_index=prompt_index, prompts=[s.prompt_token_ids for s in group],
             responses=[s.response_token_ids for s in group],
@@ -302,8 +366,9 @@ class TrainerService:
                                 reward=float(s.reward or 0.0),
                                 response_text=run.texts[s.prompt_index][s.sample_index])
                    for s in trained]
-        texts = [PromptText(prompt_index=i, prompt=p.prompt, prompt_text=p.prompt_text,
-                            answer=p.answer) for i, p in enumerate(run.prompts)]
+        texts = [PromptText(prompt_index=i, prompt=run.prompts[i].prompt,
+                            prompt_text=run.prompts[i].prompt_text, answer=run.prompts[i].answer)
+                 for i in sorted(run.trained)]
         return StepFinish(
             run_id=run.run_id, step=step, new_version=step + 1, digest=sample_digest(trained),
             rewards=rewards, loss=float(stats.get("loss", 0.0)), train_s=0.0, prompts=texts,

@@ -13,6 +13,13 @@ barrier's digest in :attr:`StepFeed.digest`. Groups come
   samples paged in: groups too large for one message, and groups that completed while this
   trainer was not listening (how a restarted trainer redoes a step).
 
+With dynamic sampling (``dynamic=True``) no barrier comes until the trainer has decided, from
+the groups' rewards, which it keeps (:mod:`trainer_svc.dynamic_sampling`), so groups are given
+as announced whatever ``train_now`` says (the trainer defers their training itself, reading
+:attr:`StepFeed.train_now`), and a group the manager reports complete at two polls in a row
+without its announcement having come (a restarted trainer) is paged in then.
+:attr:`StepFeed.prompts` is the step's prompt count as the manager last said.
+
 The manager is asked for the step's state every poll period, or at once when a barrier or a
 hand-off is announced; announcements are awaited a quarter period at a time, so a held group
 is released within that of ``train_now``. Every wait is bounded, and a cancel (the trainer
@@ -68,19 +75,23 @@ class StepEvents:
 
 class StepFeed:
     def __init__(self, manager: ManagerClient, events: StepEvents, run_id: str, step: int,
-                 poll_s: float) -> None:
+                 poll_s: float, dynamic: bool = False) -> None:
         self.manager = manager
         self.events = events
         self.run_id = run_id
         self.step = step
         self.poll_s = poll_s
         self.digest: Digest | None = None  # the barrier's, once groups() has reached it
+        self.dynamic = dynamic
+        self.prompts = 0  # the step's prompt count at the last poll
+        self.train_now = False  # the manager's, at the last poll
         self._given: set[int] = set()  # prompt indices already yielded
 
     async def groups(self) -> AsyncIterator[tuple[int, list[Sample]]]:
         """Each group of the step once, as (prompt index, samples), up to the barrier."""
         held: list[GroupDone] = []  # announced, waiting for train_now
         train_now, last_poll = False, 0.0
+        missed: set[int] = set()  # complete at the last poll, never announced here
         while True:
             event = await self.events.next_group(self.poll_s / 4)
             # A group too large for one message comes without samples: it is given from the
@@ -88,7 +99,7 @@ class StepFeed:
             if event is not None and (event.run_id, event.step) == (self.run_id, self.step) \
                     and event.samples:
                 held.append(event)
-            if train_now:
+            if train_now or self.dynamic:
                 for done in held:
                     if self._first(done.prompt_index):
                         yield done.prompt_index, done.samples
@@ -98,16 +109,27 @@ class StepFeed:
             last_poll = time.monotonic()
             self.events.poll_now.clear()
             state = await self.manager.step_state(self.run_id, self.step)
-            train_now = state.train_now
+            train_now = self.train_now = state.train_now
+            self.prompts = max(self.prompts, state.prompts)
             if state.complete:
                 break
+            late = {p for p in state.groups_done if p not in self._given}
+            if late & missed:
+                for prompt_index, group in await self._paged(state.done, late & missed):
+                    yield prompt_index, group
+            missed = late
         self.digest = state.digest
+        self.train_now = True
+        for prompt_index, group in await self._paged(state.done, None):
+            yield prompt_index, group
+
+    async def _paged(self, done: int, wanted: set[int] | None) -> list[tuple[int, list[Sample]]]:
+        """The step's committed groups in ``wanted`` (None: all) not given yet, paged in."""
         by_prompt: dict[int, list[Sample]] = {}
-        for s in await self.manager.samples(self.run_id, self.step, state.done):
-            by_prompt.setdefault(s.prompt_index, []).append(s)
-        for prompt_index, group in sorted(by_prompt.items()):
-            if self._first(prompt_index):
-                yield prompt_index, group
+        for s in await self.manager.samples(self.run_id, self.step, done):
+            if wanted is None or s.prompt_index in wanted:
+                by_prompt.setdefault(s.prompt_index, []).append(s)
+        return [(p, group) for p, group in sorted(by_prompt.items()) if self._first(p)]
 
     def _first(self, prompt_index: int) -> bool:
         """True the first time a group is given, never again: a group trains once per step."""

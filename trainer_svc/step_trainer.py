@@ -12,7 +12,8 @@ What can run before the barrier, and what must wait:
 
 * Mini-batch *k* of a pass holds the groups ranked ``[k n / M, (k + 1) n / M)`` by prompt index
   among the step's n groups. Without dynamic sampling n is ``prompts_per_step`` and a group's
-  mini-batch is known from its prompt index on arrival.
+  mini-batch is known from its prompt index on arrival; with it, only when M is 1 (a kept
+  group may have any prompt index, :mod:`trainer_svc.dynamic_sampling`).
 * The first mini-batch of the first pass runs with the step's weights, so its ratio is exactly
   1. Its groups are backpropagated as they arrive: a ``group``-scope estimator's advantages
   are final per group; a ``batch``-scope one (REINFORCE++) streams through
@@ -181,8 +182,7 @@ class StepTrainer:
         self._entries[group.prompt_index] = entry
         if not owned or entry.silent:
             return
-        first = group.prompt_index * self.cfg.minibatches // self.shape.groups_per_step == 0
-        if first and self._can_stream:
+        if self._would_stream(entry):
             self._stream(entry)
         else:
             with torch.no_grad():
@@ -350,5 +350,7 @@ class StepTrainer:
 
     def _would_stream(self, entry: _Entry) -> bool:
         """Whether the rank owning ``entry`` streamed it (the same rule, known everywhere)."""
-        first = entry.group.prompt_index * self.cfg.minibatches // self.shape.groups_per_step
-        return first == 0 and self._can_stream
+        # One mini-batch holds every group, dynamic sampling's extra prompts included.
+        m = self.cfg.minibatches
+        return self._can_stream and (
+            m == 1 or entry.group.prompt_index * m // self.shape.groups_per_step == 0)

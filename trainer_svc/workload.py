@@ -11,8 +11,9 @@ Contract:
   function and the cause, before the model is built. Only then ``use_model(model_dir)``
   loads the tokenizer: prompts are rendered through its chat template (and ``system_prompt``),
   and generation stops at its EOS.
-- ``prompts(step)`` is a pure function of (seed, step) and the data: a restarted trainer, or
-  a test, draws the same prompts.
+- ``prompts(step, count)`` is a pure function of (seed, step, count) and the data: a restarted
+  trainer, or a test, draws the same prompts. ``count`` defaults to ``prompts_per_step``; more
+  (dynamic sampling's extra prompts) extend the same list, which stays a prefix of any longer one.
 - ``score(prompt, responses)`` returns one reward per response, each response's decoded text
   (special tokens skipped; None without a tokenizer) and how many reward calls failed. A
   failing call scores 0 and is counted; the scorer logs the first failure of each kind with
@@ -74,7 +75,7 @@ class Workload(Protocol):
     eos_token_id: int
 
     def use_model(self, model_dir: Path | None, reward: TokenReward) -> None: ...
-    def prompts(self, step: int) -> list[StepPrompt]: ...
+    def prompts(self, step: int, count: int | None = None) -> list[StepPrompt]: ...
     async def score(self, prompt: StepPrompt, responses: list[list[int]]) -> Scored: ...
     def eval_due(self, step: int) -> bool: ...
     async def evaluate(self, step: int, model_dir: Path) -> EvalResult: ...
@@ -103,9 +104,9 @@ class TaskWorkload:
             return None
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special))
 
-    def prompts(self, step: int) -> list[StepPrompt]:
+    def prompts(self, step: int, count: int | None = None) -> list[StepPrompt]:
         out = []
-        for ids in task.make_prompts(self.spec.seed, step, self.spec.prompts_per_step):
+        for ids in task.make_prompts(self.spec.seed, step, count or self.spec.prompts_per_step):
             text = self._text(ids, skip_special=False) or task.detokenize(ids)
             out.append(StepPrompt(ids, text, text))
         return out
@@ -162,8 +163,11 @@ class DatasetWorkload:
             self._rendered[prompt] = hit
         return hit
 
-    def prompts(self, step: int) -> list[StepPrompt]:
-        drawn = self.train.draw(self.spec.seed, step, self.spec.prompts_per_step)
+    def prompts(self, step: int, count: int | None = None) -> list[StepPrompt]:
+        n = self.spec.prompts_per_step
+        drawn = self.train.draw(self.spec.seed, step, n)
+        if count is not None and count > n:  # beyond the epoch stream, whose next rows are
+            drawn += self.train.draw_extra(self.spec.seed, step, n, count)  # the next step's
         return [self._render(e.prompt, e.answer) for e in drawn]
 
     async def score(self, prompt: StepPrompt, responses: list[list[int]]) -> Scored:

@@ -19,6 +19,10 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
   if not st[2] then return 'unknown', 0 end  -- every request hash has an epoch
   local epoch = tonumber(epoch_s)
   local cur, n = tonumber(st[2]), tonumber(st[3])
+  if st[1] == 'aborted' then  -- dynamic sampling closed its step: work thrown away
+    count(step, 'tokens_discarded', ntok)
+    return 'aborted', n
+  end
   if st[1] == '1' then
     if epoch == cur then
       count(step, 'duplicate_chunks_dropped', 1)

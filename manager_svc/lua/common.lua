@@ -10,3 +10,10 @@ local function release_owner(req, rid, held_prefix)
   if owner and owner ~= '' then redis.call('SREM', held_prefix .. owner .. ':held', rid) end
   redis.call('HSET', req, 'owner', '')
 end
+local function write_request(key, run, step, p, s, version, prompt, max_new)
+  -- A response as created, fresh (create_requests.lua, extend_step.lua).
+  redis.call('DEL', key)
+  redis.call('HSET', key, 'run', run, 'step', step, 'p', p, 's', s, 'version', version,
+             'prompt', prompt, 'tokens', '', 'n', 0, 'epoch', 0, 'owner', '', 'done', '0',
+             'finish', '', 'instances', '', 'last', '', 'seen', 0, 'max', max_new)
+end

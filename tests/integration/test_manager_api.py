@@ -74,7 +74,8 @@ def metric(client: httpx.Client, name: str, **labels: str) -> float:
     {"minibatches": 17},  # more mini-batches than prompts_per_step (16)
     {"clip_ratio_low": 1.5},
     {"kl_coef": -0.1},
-    {"dynamic_sampling": True},  # not available yet: refused rather than ignored
+    {"dynamic_sampling": "yes"},
+    {"max_gen_batches": 0},  # dynamic sampling's bound on generation
 ])
 def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str, object]) -> None:
     resp = manager.post("/v1/runs", json=body)
@@ -83,7 +84,7 @@ def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str
     assert detail
     knob = next(iter(body)) if len(body) == 1 else "overlong_buffer"
     if knob in ("algorithm", "minibatches", "clip_ratio_low", "kl_coef", "overlong_buffer",
-                "dynamic_sampling"):
+                "dynamic_sampling", "max_gen_batches"):
         assert knob in str(detail), detail
 
 
@@ -93,7 +94,7 @@ def test_each_algorithm_is_accepted_with_its_defaults(manager: httpx.Client) -> 
         spec = RunSpec(algorithm=algorithm)  # type: ignore[arg-type]
         assert spec.algorithm_config().algorithm == algorithm
     resp = manager.post("/v1/runs", json={"algorithm": "dapo", "steps": 1, "kl_coef": 0.01,
-                                          "updates_per_step": 2})
+                                          "updates_per_step": 2, "dynamic_sampling": True})
     assert resp.status_code == 201, resp.text
     manager.post(f"/v1/runs/{resp.json()['id']}/cancel")
 
