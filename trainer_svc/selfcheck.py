@@ -2,9 +2,10 @@
 
 Each RL step draws ``prompts_per_step`` prompts with ``task.make_prompts(seed, step, n)``,
 samples ``samples_per_prompt`` responses per prompt at temperature 1 from the current
-policy, scores them with ``task.reward``, feeds every group to one
-:class:`~trainer_svc.grpo.GrpoAccumulator` and takes one optimizer step. This is the same math
-the trainer service runs, minus the transport, so a regression here is a regression there.
+policy, scores them with ``task.reward``, feeds every group to the trainer's
+:class:`~trainer_svc.step_trainer.StepTrainer` with GRPO's defaults (:func:`trainer_svc.grpo.
+train_step`) and takes one optimizer step. This is the math the trainer service runs, minus
+the transport, so a regression here is a regression there.
 
 The check passes when the mean reward of the last ``window`` steps beats the first
 ``window`` steps by at least ``min_gain``. Run it with ``python -m trainer_svc.selfcheck``
@@ -66,8 +67,8 @@ def run_rl(
     window: int = DEFAULT_WINDOW,
 ) -> SelfCheckResult:
     """Train ``model`` in place with GRPO for ``steps`` steps; returns per-step mean rewards."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    acc = grpo.GrpoAccumulator(model, optimizer, pad_id=task.PAD_ID)
+    trainer = grpo.make_trainer(model, learning_rate, max_new_tokens, prompts_per_step,
+                                task.PAD_ID)
     gen = torch.Generator().manual_seed(seed)
     result = SelfCheckResult(seed=seed, window=window)
     started = time.perf_counter()
@@ -79,10 +80,8 @@ def run_rl(
         responses = sample(model, flat, max_new_tokens, 1.0, gen)
         model.train()
         rewards = [task.reward(p, r) for p, r in zip(flat, responses, strict=True)]
-        for g in range(prompts_per_step):
-            rows = slice(g * samples_per_prompt, (g + 1) * samples_per_prompt)
-            acc.add_group(flat[rows], responses[rows], rewards[rows])
-        acc.step(lr=grpo.learning_rate_at(step, learning_rate, lr_warmup_steps))
+        grpo.train_step(trainer, flat, responses, rewards, samples_per_prompt, {task.EOS_ID},
+                        grpo.learning_rate_at(step, learning_rate, lr_warmup_steps))
         result.step_rewards.append(statistics.fmean(rewards))
     model.eval()
     result.seconds = time.perf_counter() - started

@@ -4,8 +4,9 @@ Each RL step draws ``prompts_per_step`` problems from the train split with
 ``PromptDataset.draw(seed, step, n)``, renders them through the chat template, samples
 ``samples_per_prompt`` responses per prompt at temperature 1 with a KV cache, decodes them
 (special tokens skipped), scores them with the ``math`` reward in its worker processes
-(:class:`~trainer_svc.scorer.RewardScorer`), feeds every group to one
-:class:`~trainer_svc.grpo.GrpoAccumulator` and takes one optimizer step. Eval samples one
+(:class:`~trainer_svc.scorer.RewardScorer`), feeds every group to the trainer's
+:class:`~trainer_svc.step_trainer.StepTrainer` with GRPO's defaults (:func:`trainer_svc.grpo.
+train_step`) and takes one optimizer step. Eval samples one
 response per held-out prompt, at the same temperature, before the first step, every
 ``eval_every`` steps and after the last.
 
@@ -93,8 +94,9 @@ class ChatRL:
         self.scorer = scorer
         self.max_new_tokens = max_new_tokens
         self.learning_rate = learning_rate
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
-        self.acc = grpo.GrpoAccumulator(self.model, optimizer, pad_id=self.pad_id)
+        # One mini-batch: every group streams, whatever the step's prompt count.
+        self.trainer = grpo.make_trainer(self.model, learning_rate, max_new_tokens, 1,
+                                         self.pad_id)
         self.gen = torch.Generator().manual_seed(seed)
         self._ids: dict[str, list[int]] = {}
 
@@ -122,10 +124,8 @@ class ChatRL:
         items = [(e.prompt, e.answer) for e in drawn for _ in range(group)]
         prompts, responses, rewards, errors = await self._rollout(items, self.gen)
         self.model.train()
-        for g in range(n):
-            rows = slice(g * group, (g + 1) * group)
-            self.acc.add_group(prompts[rows], responses[rows], rewards[rows])
-        self.acc.step(lr=grpo.learning_rate_at(step, self.learning_rate))
+        grpo.train_step(self.trainer, prompts, responses, rewards, group, self.eos_ids,
+                        grpo.learning_rate_at(step, self.learning_rate))
         self.model.eval()
         return statistics.fmean(rewards), errors
 
