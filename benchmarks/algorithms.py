@@ -8,6 +8,11 @@ of the first five and the last five steps, their difference, the mean of the tra
 statistics the step records carry, and the run's wall time. An algorithm passes when its
 last-5 mean exceeds its first-5 mean.
 
+The row ``dapo+dynamic_sampling`` is DAPO with its group filter on: each step trains on the
+``prompts`` informative groups only, so its reward is over those (all-equal groups, all right or
+all wrong, are left out), and it prints the prompts generated per step and the tokens
+generated but never trained on (``tokens_discarded``) per step.
+
 The default learning rate (``RunSpec.learning_rate``) was tuned for one AdamW step per RL
 step. DAPO and GSPO default to several mini-batches, hence several AdamW steps per RL step, each
 about ``lr`` long whatever the gradient's size; ``--scale-lr`` divides the rate by the optimizer
@@ -31,6 +36,10 @@ from shared.process import exit_on_sigterm
 from shared.protocol import RunSpec
 
 WINDOW = 5  # steps averaged at each end
+# Rows beyond the algorithms' own: a name and the knobs it adds to the spec.
+VARIANTS: dict[str, dict[str, Any]] = {"dapo+dynamic_sampling": {"algorithm": "dapo",
+                                                                 "dynamic_sampling": True}}
+ROWS = [a.value for a in Algorithm] + list(VARIANTS)
 
 
 def run_one(client: httpx.Client, spec: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
@@ -59,8 +68,7 @@ def mean_of(steps: list[dict[str, Any]], name: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithms", nargs="+", default=[a.value for a in Algorithm],
-                        choices=[a.value for a in Algorithm])
+    parser.add_argument("--algorithms", nargs="+", default=ROWS, choices=ROWS)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     spec: dict[str, Any] = {
                         "model": "tiny", "algorithm": algorithm, "steps": args.steps,
                         "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
-                        "seed": args.seed}
+                        "seed": args.seed, **VARIANTS.get(algorithm, {})}
                     if args.scale_lr:
                         cfg = RunSpec(**spec).algorithm_config()
                         spec["learning_rate"] = RunSpec().learning_rate / (
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                     last = statistics.fmean(rewards[-WINDOW:])
                     extra = {n: mean_of(steps, n) for n in (
                         "clip_fraction", "entropy", "grad_norm", "streamed_fraction",
-                        "optimizer_steps")}
+                        "optimizer_steps", "prompts_generated", "tokens_discarded")}
                     rows.append((algorithm, first, last, extra, wall))
                     print(f"  first-{WINDOW} {first:.3f} -> last-{WINDOW} {last:.3f}", flush=True)
         finally:
@@ -103,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.samples}, seed {args.seed}, paper defaults scaled to the run"
           + (", learning rate / optimizer steps per RL step" if args.scale_lr else ""))
     print(f"{'algorithm':<22} {'first-5':>7} {'last-5':>7} {'gain':>7} {'clip':>6} "
-          f"{'entropy':>7} {'streamed':>8} {'opt/step':>8} {'wall s':>7}")
+          f"{'entropy':>7} {'streamed':>8} {'opt/step':>8} {'prompts':>7} {'discard':>7} "
+          f"{'wall s':>7}")
 
     def fmt(v: float | None, width: int, digits: int) -> str:
         return f"{v:>{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
@@ -112,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{algorithm:<22} {first:>7.3f} {last:>7.3f} {last - first:>+7.3f} "
               f"{fmt(extra['clip_fraction'], 6, 3)} {fmt(extra['entropy'], 7, 3)} "
               f"{fmt(extra['streamed_fraction'], 8, 3)} {fmt(extra['optimizer_steps'], 8, 1)} "
+              f"{fmt(extra['prompts_generated'], 7, 1)} {fmt(extra['tokens_discarded'], 7, 0)} "
               f"{wall:>7.0f}")
     ok = all(last > first for _, first, last, _, _ in rows)
     print(f"reward rose for every algorithm: {'yes' if ok else 'NO'}")
