@@ -251,6 +251,21 @@ class TrainerConfig(Settings):
     reward_timeout_s: float = setting(
         "RLBOOST_REWARD_TIMEOUT_S", 10.0, "a reward call running longer scores 0 and counts as "
         "a reward error", gt=0.0)
+    sharding: Literal["replicate", "fsdp2"] = setting(
+        "RLBOOST_TRAINER_SHARDING", "replicate", "under torchrun: replicate (a full model and "
+        "AdamW per rank) or fsdp2 (parameters, gradients and AdamW state sharded over ranks)")
+    param_dtype: Literal["bfloat16", "float16", "float32", "model"] = setting(
+        "RLBOOST_TRAINER_PARAM_DTYPE", "bfloat16", "fsdp2: the dtype layers compute in; master "
+        "weights stay in the model's dtype (model = no cast)")
+    reduce_dtype: Literal["bfloat16", "float32", "model"] = setting(
+        "RLBOOST_TRAINER_REDUCE_DTYPE", "float32", "fsdp2: the dtype gradients are summed over "
+        "ranks in (model = the compute dtype)")
+    activation_checkpointing: bool = setting(
+        "RLBOOST_TRAINER_ACTIVATION_CHECKPOINTING", False, "fsdp2: recompute each layer's "
+        "activations in backward instead of keeping them")
+    offload_optimizer: bool = setting(
+        "RLBOOST_TRAINER_OFFLOAD_OPTIMIZER", False, "fsdp2: keep parameters, gradients and "
+        "AdamW state in host memory (the optimizer step runs there)")
 
     @property
     def reward_dirs(self) -> list[str]:

@@ -17,6 +17,7 @@ from shared.config import TrainerConfig
 from shared.logs import setup_logging
 from shared.process import die_with_parent
 from trainer_svc.policies import distributed
+from trainer_svc.policies.fsdp import sharding_of
 from trainer_svc.service import TrainerService
 
 
@@ -42,7 +43,7 @@ def main() -> None:
     if launch is None or launch.world_size < 2:
         asyncio.run(_serve(cfg))
         return
-    distributed.init(launch)
+    distributed.init(launch, sharding_of(cfg))
     try:
         if rank == 0:
             asyncio.run(_serve(cfg))

@@ -18,7 +18,7 @@ import torch
 from shared.protocol import StepFinish
 
 # Tokenizer and generation files travel with every published version, unchanged from the base.
-_BASE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+BASE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 KEEP = 2
 
@@ -67,7 +67,7 @@ class RunCheckpoints:
         tmp = self.root / f".hf-{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
-        for name in _BASE_FILES:
+        for name in BASE_FILES:
             if (self.base_dir / name).is_file():
                 shutil.copy2(self.base_dir / name, tmp / name)
         shutil.rmtree(final, ignore_errors=True)

@@ -33,13 +33,19 @@ the batch computation.
 Ranks: every rank is told about every group (``owned=False`` for the groups another rank
 backpropagates), so rewards, lengths, whitening, mini-batches and denominators are known on
 each rank without communication; ``reduce`` sums the gradients and the loss-side sums over the
-ranks before each optimizer step (the identity in one process).
+ranks before each optimizer step (the identity in one process). A sharded model (FSDP2) runs a
+collective inside every forward and backward, so its ranks must run the same pattern of them:
+:meth:`StepTrainer.work` says which pattern a group's owner runs before the barrier, and
+:meth:`StepTrainer.pad` runs that pattern on a one-token input with a zero loss, on a rank that
+has no such group to run; the gradient lands where the real one does, so every rank's buffers
+hold the same reduced sums.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -69,6 +75,14 @@ class RunShape:
     max_new_tokens: int = 8  # the budget: overlong shaping and Dr. GRPO's constant
     temperature: float = 1.0  # every log-prob is taken at the sampling temperature
     groups_per_step: int = 16  # prompts per step: a group's mini-batch from its index
+
+
+class Work(Enum):
+    """What the owner of a group computes before the barrier (the collectives it runs)."""
+
+    NONE = "none"  # silent: never scored
+    STREAM = "stream"  # scored with gradient and backpropagated now
+    SCORE = "score"  # scored without gradient; backpropagated after the barrier
 
 
 # Sums the gradients of ``params`` and the float64 vector over the ranks; returns the vector.
@@ -163,11 +177,52 @@ class StepTrainer:
 
     def add_group(self, group: Group, owned: bool = True) -> None:
         """Record a group; if owned, score it and backpropagate what the barrier cannot change."""
+        if group.prompt_index in self._entries:
+            raise ValueError(f"group {group.prompt_index} added twice in one step")
+        entry = self._entry(group, owned)
+        self._entries[group.prompt_index] = entry
+        if not owned or entry.silent:
+            return
+        if self._would_stream(entry):
+            self._stream(entry)
+        else:
+            with torch.no_grad():
+                entry.old = self._scores(entry).logprobs
+                entry.ref = self._reference(entry)
+
+    def work(self, group: Group) -> Work:
+        """What :meth:`add_group` computes for ``group`` if owned (nothing is recorded)."""
+        entry = self._entry(group, True)
+        if entry.silent:
+            return Work.NONE
+        return Work.STREAM if self._would_stream(entry) else Work.SCORE
+
+    def pad(self, work: Work | None = None) -> None:
+        """The forwards and backwards of ``work`` (None: one barrier-time backward), on a
+        one-token input whose loss is zero: a sharded model's collectives stay in step."""
+        if work is Work.NONE:
+            return
+        device = self.params[0].device
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=device)
+        with torch.set_grad_enabled(work is not Work.SCORE):
+            loss = self.model(input_ids=ids).logits.sum() * 0.0
+        if work is not None and self.reference is not None:
+            with torch.no_grad():
+                self.reference(input_ids=ids)
+        if work is Work.SCORE:
+            return
+        if work is Work.STREAM and self.cfg.scope is not Scope.GROUP:
+            # The two streamed sums of _stream, then its KL/entropy backward.
+            self._backward_into(loss, self._parts_adv)
+            self._backward_into(loss, self._parts_one)
+            if not (self.cfg.kl_coef or self.cfg.entropy_coef):
+                return
+        loss.backward()
+
+    def _entry(self, group: Group, owned: bool) -> _Entry:
         n = len(group.responses)
         if not n == len(group.prompts) == len(group.rewards) == len(group.truncated):
             raise ValueError("prompts, responses, rewards and truncated flags differ in count")
-        if group.prompt_index in self._entries:
-            raise ValueError(f"group {group.prompt_index} added twice in one step")
         lengths = [len(r) for r in group.responses]
         rewards = list(group.rewards)
         if self.cfg.overlong_buffer:
@@ -178,16 +233,7 @@ class StepTrainer:
                                         torch.tensor(rewards, dtype=torch.float64), lengths)
         silent = (self.cfg.scope is Scope.GROUP and self.cfg.kl_coef == 0.0
                   and self.cfg.entropy_coef == 0.0 and all(bool((a == 0).all()) for a in raw))
-        entry = _Entry(group, lengths, raw, owned, silent or sum(lengths) == 0)
-        self._entries[group.prompt_index] = entry
-        if not owned or entry.silent:
-            return
-        if self._would_stream(entry):
-            self._stream(entry)
-        else:
-            with torch.no_grad():
-                entry.old = self._scores(entry).logprobs
-                entry.ref = self._reference(entry)
+        return _Entry(group, lengths, raw, owned, silent or sum(lengths) == 0)
 
     def _scores(self, entry: _Entry) -> logprobs.TokenScores:
         g = entry.group
@@ -251,10 +297,8 @@ class StepTrainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         entries = [self._entries[i] for i in sorted(self._entries)]
-        m, passes = self.cfg.minibatches, self.cfg.updates_per_step
-        batches: list[list[_Entry]] = [[] for _ in range(m)]
-        for rank, entry in enumerate(entries):
-            batches[rank * m // len(entries)].append(entry)
+        passes = self.cfg.updates_per_step
+        batches = self._batches(entries)
         if any(e.streamed for b in batches[1:] for e in b):
             raise RuntimeError("a streamed group is not in the first mini-batch; was a group "
                                "missing or outside prompts_per_step?")
@@ -268,8 +312,7 @@ class StepTrainer:
             for k, batch in enumerate(batches):
                 done = self._first if (epoch, k) == (0, 0) else _Pass()
                 for entry in batch:
-                    if entry.owned and not entry.silent and not (epoch == k == 0
-                                                                 and entry.streamed):
+                    if self._at_barrier(entry, epoch, k):
                         self._backward(entry, final[entry.group.prompt_index], done)
                     if entry.owned and entry.silent:  # counted once, by its owner
                         done.stats.loss_tokens += entry.tokens
@@ -284,6 +327,25 @@ class StepTrainer:
         out["optimizer_steps"] = len(norms)
         self.reset()
         return out
+
+    def _batches(self, entries: list[_Entry]) -> list[list[_Entry]]:
+        m = self.cfg.minibatches
+        batches: list[list[_Entry]] = [[] for _ in range(m)]
+        for rank, entry in enumerate(entries):
+            batches[rank * m // len(entries)].append(entry)
+        return batches
+
+    @staticmethod
+    def _at_barrier(entry: _Entry, epoch: int, k: int) -> bool:
+        """Whether this rank backpropagates ``entry`` in pass ``epoch``, mini-batch ``k``."""
+        return entry.owned and not entry.silent and not (epoch == k == 0 and entry.streamed)
+
+    def barrier_backwards(self) -> list[int]:
+        """Per optimizer step :meth:`step` will take, the backwards this rank runs in it."""
+        entries = [self._entries[i] for i in sorted(self._entries)]
+        return [sum(self._at_barrier(e, epoch, k) for e in batch)
+                for epoch in range(self.cfg.updates_per_step)
+                for k, batch in enumerate(self._batches(entries))]
 
     def _combine_parts(self, w: advantages.Whitening) -> None:
         """``.grad += scale * (P_adv - mean * P_one)``: the streamed policy-gradient part."""

@@ -19,12 +19,16 @@ Contract:
   loss-side sums (:func:`all_reduce_grads`); every rank then runs the *same* code on the same
   numbers, so parameters and optimizer state stay identical without ever being sent again.
 - Only rank 0 writes checkpoints: its state equals every other rank's.
+- With a :class:`~trainer_svc.policies.fsdp.ShardingConfig` in ``Setup`` every rank holds a
+  :class:`~trainer_svc.policies.fsdp.ShardedPolicy` instead: no rank holds the whole model,
+  so every computing call is collective. Rank 0 then hands groups out in rounds of one per
+  rank (``AddRound``: as soon as ``world`` groups have arrived, the last partial round at the
+  barrier) and every rank restores and saves (``Save``) its own shards.
 - Replicated data parallelism with one explicit all-reduce per optimizer step, on CPU (gloo)
   and CUDA (nccl) alike. DDP does not fit: it all-reduces inside every ``backward``, which
   needs every rank to run the same number of backwards, but here a group is backpropagated by
   its owner alone as it streams in. One reduction per step moves the same bytes DDP would.
-  Sharding (FSDP2) is for models that do not fit one device, which the trainer does not
-  target yet.
+  Sharding (above) is for models whose weights and AdamW state do not fit one device.
 - The data directory must be shared by the ranks (one node, or a shared file system).
 
 Failure: a rank that dies takes the torchrun job down (torchrun's own rule); the restarted
@@ -49,6 +53,7 @@ import torch.distributed as dist
 
 from shared.algorithm import AlgorithmConfig
 from trainer_svc.checkpoint import RunCheckpoints
+from trainer_svc.policies.fsdp import ShardedPolicy, ShardingConfig
 from trainer_svc.policies.torch_policy import TorchPolicy
 from trainer_svc.step_trainer import Group, RunShape
 
@@ -72,6 +77,7 @@ class Setup:
     dtype: torch.dtype  # parameter dtype
     algorithm: AlgorithmConfig  # the run's objective
     shape: RunShape  # what the objective needs of the run's shape
+    sharding: ShardingConfig | None = None  # FSDP2 over the ranks; None = replicated
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +89,16 @@ class Restore:
 class AddGroup:
     owner: int  # the one rank that backpropagates this group
     group: Group  # every rank records it
+
+
+@dataclass(frozen=True, slots=True)
+class AddRound:
+    groups: list[Group | None]  # index = the rank that backpropagates it (sharded runs)
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    version: int  # every rank writes its shards of this version (sharded runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +121,8 @@ class Stop:
     pass
 
 
-Command = Setup | Restore | AddGroup | Reset | Step | Ping | Stop
+Command = Setup | Restore | AddGroup | AddRound | Reset | Step | Save | Ping | Stop
+Local = TorchPolicy | ShardedPolicy  # what each rank holds
 
 
 class DistributedError(RuntimeError):
@@ -134,9 +151,11 @@ class Launch:
 class Channel:
     """The command group and, on rank 0, the sender with its heartbeat thread."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device,
+                 sharding: ShardingConfig | None = None) -> None:
         self.group = group
         self.device = device  # where this rank's model lives (cuda:<local rank> under nccl)
+        self.sharding = sharding  # the job's default for torch runs (None: replicated)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._lock = threading.Lock()  # one broadcast at a time: the service thread vs heartbeat
@@ -194,7 +213,7 @@ class Channel:
 _channel: Channel | None = None
 
 
-def init(launch: Launch) -> Channel:
+def init(launch: Launch, sharding: ShardingConfig | None = None) -> Channel:
     """Join the torchrun job: nccl on CUDA, gloo on CPU; a gloo command group on top."""
     global _channel
     if torch.cuda.is_available():
@@ -207,7 +226,7 @@ def init(launch: Launch) -> Channel:
     # Commands are pickled Python objects: they ride gloo on the CPU even beside nccl, and on
     # their own group so a worker's receiver thread never interleaves with gradient traffic.
     group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    _channel = Channel(group, device)
+    _channel = Channel(group, device, sharding)
     log.info("rank %d of %d on %s", launch.rank, launch.world_size, device)
     return _channel
 
@@ -231,7 +250,11 @@ def shutdown() -> None:
 
 # --- what every rank does identically --------------------------------------------------------
 
-def _build(setup: Setup, device: torch.device) -> TorchPolicy:
+def _build(setup: Setup, device: torch.device) -> Local:
+    if setup.sharding is not None:
+        return ShardedPolicy(setup.model_dir, setup.run_dir, setup.learning_rate, setup.seed,
+                             dtype=setup.dtype, device=device, algorithm=setup.algorithm,
+                             shape=setup.shape, sharding=setup.sharding)
     return TorchPolicy(setup.model_dir, setup.run_dir, setup.learning_rate, setup.seed,
                        dtype=setup.dtype, device=device, algorithm=setup.algorithm,
                        shape=setup.shape, reduce=all_reduce_grads)
@@ -294,55 +317,77 @@ def all_reduce_grads(params: list[torch.nn.Parameter], sums: torch.Tensor) -> to
 class DistributedPolicy:
     """Rank 0's policy: broadcasts each training command, then does its own share."""
 
-    def __init__(self, local: TorchPolicy, chan: Channel) -> None:
+    def __init__(self, local: Local, chan: Channel) -> None:
         self.local = local
         self.chan = chan
         self.checkpoints: RunCheckpoints = local.checkpoints
         self.eos_id: int = local.eos_id
         self.vocab_size: int = local.vocab_size
         self._groups = 0  # groups added this run: the next owner is _groups % world
+        self._round: list[Group] = []  # sharded: groups waiting for a full round
 
     @classmethod
     def setup(cls, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
               dtype: torch.dtype = torch.float32, *, algorithm: AlgorithmConfig | None = None,
-              shape: RunShape | None = None) -> DistributedPolicy:
+              shape: RunShape | None = None,
+              sharding: ShardingConfig | None = None) -> DistributedPolicy:
         chan = channel()
         if chan is None:
             raise DistributedError("torch.distributed is not initialised with several ranks")
         cmd = Setup(model_dir, run_dir, learning_rate, seed, dtype,
-                    algorithm or AlgorithmConfig.for_algorithm(), shape or RunShape())
+                    algorithm or AlgorithmConfig.for_algorithm(), shape or RunShape(),
+                    sharding or chan.sharding)
         chan.send(cmd)
         return cls(_build(cmd, chan.device), chan)
 
     def restore(self) -> int:
         self.chan.send(Restore())
+        if isinstance(self.local, ShardedPolicy):
+            return self.local.restore()
         return _sync_restore(self.local, self.local.restore())
 
     def reward(self, prompt: list[int], response: list[int]) -> float:
         return self.local.reward(prompt, response)
 
     def add_group(self, group: Group) -> None:
+        if isinstance(self.local, ShardedPolicy):
+            self._round.append(group)
+            if len(self._round) == self.chan.world_size:
+                self._flush(self.local)
+            return
         owner = self._groups % self.chan.world_size
         self._groups += 1
         # Sent to every rank: each records the group, only its owner backpropagates it.
         self.chan.send(AddGroup(owner, group))
         self.local.add_group(group, owned=owner == 0)
 
+    def _flush(self, local: ShardedPolicy) -> None:
+        groups: list[Group | None] = [*self._round]
+        groups += [None] * (self.chan.world_size - len(groups))
+        self._round = []
+        self.chan.send(AddRound(groups))
+        local.add_round(groups)
+
     def reset(self) -> None:
+        self._round = []
         self.chan.send(Reset())
         self.local.reset()
 
     def step(self, step_index: int) -> dict[str, Any]:
+        if isinstance(self.local, ShardedPolicy) and self._round:
+            self._flush(self.local)
         self.chan.send(Step(step_index))
         return self.local.step(step_index)
 
     def save(self, version: int) -> None:
+        if isinstance(self.local, ShardedPolicy):
+            self.chan.send(Save(version))
         self.local.save(version)
 
 
 # --- ranks > 0 -----------------------------------------------------------------------------
 
-def worker_loop() -> TorchPolicy | None:
+def worker_loop() -> Local | None:
     """Serve rank 0's commands until Stop; returns the last policy (tests compare it)."""
     chan = channel()
     if chan is None or chan.rank == 0:
@@ -363,7 +408,7 @@ def worker_loop() -> TorchPolicy | None:
                 return
 
     threading.Thread(target=receive, name="dist-receive", daemon=True).start()
-    policy: TorchPolicy | None = None
+    policy: Local | None = None
     while True:
         item = inbox.get()
         if isinstance(item, BaseException):
@@ -384,7 +429,22 @@ def worker_loop() -> TorchPolicy | None:
             _apply(policy, item, chan.rank)
 
 
-def _apply(policy: TorchPolicy, command: Command, rank: int) -> None:
+def _apply(policy: Local, command: Command, rank: int) -> None:
+    if isinstance(policy, ShardedPolicy):
+        match command:
+            case Restore():
+                policy.restore()
+            case AddRound(groups=groups):
+                policy.add_round(groups)
+            case Save(version=version):
+                policy.save(version)
+            case Reset():
+                policy.reset()
+            case Step(step_index=step_index):
+                policy.step(step_index)
+            case _:
+                raise DistributedError(f"{type(command).__name__} in a sharded run")
+        return
     match command:
         case Restore():
             _sync_restore(policy, None)

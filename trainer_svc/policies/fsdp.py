@@ -1,0 +1,192 @@
+"""One rank of a sharded trainer: the model, its gradients and AdamW's state split by FSDP2.
+
+Contract:
+
+- :func:`shard` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer (the
+  classes HF names in ``_no_split_modules``) and then to the root, so a rank holds 1/world of
+  each parameter, of its gradient and of AdamW's moments (DTensors sharded on dim 0). A layer's
+  full parameters exist only while it runs: its forward all-gathers them and frees them after,
+  its backward all-gathers them again and reduce-scatters the gradient.
+- Gradients are *summed* over the ranks (FSDP2 averages by default): the step trainer divides
+  by the step's token denominator itself, exactly as in one process.
+- Mixed precision is FSDP2's :class:`MixedPrecisionPolicy`: the parameters stay in the model's
+  dtype (fp32 master weights) and are cast to ``param_dtype`` for compute; gradients are
+  reduced in ``reduce_dtype``. ``None`` keeps the model's dtype (the float64 equality tests).
+- :class:`ShardedPolicy` has :class:`~trainer_svc.policies.torch_policy.TorchPolicy`'s methods,
+  but every one of them that computes is *collective*: all ranks call it, in the same order.
+  Groups therefore arrive in rounds (:meth:`ShardedPolicy.add_round`), one group per rank at
+  most; every rank records the whole round and runs the forwards and backwards its own group
+  needs, or :meth:`~trainer_svc.step_trainer.StepTrainer.pad` of the same kind, in one fixed
+  order of kinds. At the barrier each optimizer step is padded the same way to the largest
+  number of backwards any rank has in it, known before the step from one all-reduce.
+- Checkpoints are :class:`~trainer_svc.sharded_checkpoint.ShardedCheckpoints`: each rank writes
+  its own shards (torch.distributed.checkpoint), and the published HF directory is written from
+  shards too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from shared.algorithm import AlgorithmConfig
+from shared.config import TrainerConfig
+from trainer_svc import task
+from trainer_svc.grpo import learning_rate_at
+from trainer_svc.model import load_policy
+from trainer_svc.sharded_checkpoint import ShardedCheckpoints
+from trainer_svc.step_trainer import Group, RunShape, StepTrainer, Work
+
+# Kinds of work in the order every rank runs them within a round (module doc).
+_ROUND_ORDER = (Work.STREAM, Work.SCORE)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardingConfig:
+    """How a sharded trainer holds and computes (the RLBOOST_TRAINER_* settings)."""
+
+    param_dtype: torch.dtype | None = torch.bfloat16  # compute dtype; None = the model's
+    reduce_dtype: torch.dtype | None = torch.float32  # gradient reduction; None = param_dtype
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    offload_optimizer: bool = False  # parameters, gradients and AdamW state in host memory
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    return None if name == "model" else getattr(torch, name)  # type: ignore[no-any-return]
+
+
+def sharding_of(cfg: TrainerConfig) -> ShardingConfig | None:
+    """The trainer settings' sharding; None when the ranks replicate the model."""
+    if cfg.sharding != "fsdp2":
+        return None
+    return ShardingConfig(_dtype(cfg.param_dtype), _dtype(cfg.reduce_dtype),
+                          cfg.activation_checkpointing, cfg.offload_optimizer)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one: HF's own list of modules never to split."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class to shard by")
+    return layers
+
+
+def shard(model: torch.nn.Module, cfg: ShardingConfig, device: torch.device) -> None:
+    """Shard ``model`` in place over the default process group (module doc)."""
+    if cfg.activation_checkpointing:
+        # Non-reentrant: FSDP2's hooks see the recomputed forward like the first one.
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype)
+    # FSDP2 offloads parameters and gradients with the optimizer state (the step then runs on
+    # the host); on a CPU-only rank everything is in host memory already.
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=device.type == "cuda")
+                              if cfg.offload_optimizer else OffloadPolicy())
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
+    # The root too: FSDP2 keeps the root's parameters gathered after a forward by default, and
+    # after a forward without backward (scoring) they would stay gathered across the next
+    # optimizer step, so the forward after it would compute with the old weights.
+    fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # a sum, not a mean (module doc)
+
+
+class ShardedPolicy:
+    """This rank's share of the model; every computing method is collective (module doc)."""
+
+    def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None, *,
+                 algorithm: AlgorithmConfig | None = None, shape: RunShape | None = None,
+                 sharding: ShardingConfig | None = None) -> None:
+        device = device or torch.device("cpu")
+        sharding = sharding or ShardingConfig()
+        torch.manual_seed(seed)
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.model = load_policy(model_dir, dtype=dtype).to(device)
+        self.model.train()
+        shard(self.model, sharding, device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
+                                           weight_decay=0.0)
+        cfg = algorithm or AlgorithmConfig.for_algorithm()
+        reference = None
+        if cfg.needs_reference:
+            reference = load_policy(model_dir, dtype=dtype).to(device)
+            reference.requires_grad_(False)
+            shard(reference, ShardingConfig(sharding.param_dtype, sharding.reduce_dtype), device)
+        self.trainer = StepTrainer(self.model, self.optimizer, cfg, shape or RunShape(),
+                                   task.PAD_ID, reference=reference, reduce=self._reduce)
+        self.learning_rate = learning_rate
+        self.checkpoints = ShardedCheckpoints(run_dir, model_dir)
+        self.eos_id = task.EOS_ID
+        self.vocab_size = int(getattr(self.model.config, "vocab_size", 0))
+        self._pads: list[int] = []  # per optimizer step of this RL step: pads still to run
+
+    def restore(self) -> int:
+        version = self.checkpoints.restore(self.model, self.optimizer)
+        if version == 0:
+            self.checkpoints.save(self.model, self.optimizer, 0)
+        return version
+
+    def reward(self, prompt: list[int], response: list[int]) -> float:
+        return task.reward(prompt, response)
+
+    def add_round(self, groups: list[Group | None]) -> None:
+        """Record every group; run this rank's (``groups[rank]``), or pad for it."""
+        if len(groups) != self.world_size:
+            raise ValueError(f"a round has one slot per rank, got {len(groups)}")
+        own = groups[self.rank]
+        for i, group in enumerate(groups):
+            if group is not None and i != self.rank:
+                self.trainer.add_group(group, owned=False)
+        kinds = {self.trainer.work(g) for g in groups if g is not None}
+        mine = self.trainer.work(own) if own is not None else None
+        for kind in _ROUND_ORDER:
+            if kind not in kinds:
+                continue
+            if own is not None and mine is kind:
+                self.trainer.add_group(own, owned=True)
+            else:
+                self.trainer.pad(kind)
+        if own is not None and mine is Work.NONE:
+            self.trainer.add_group(own, owned=True)  # recorded; it computes nothing
+
+    def reset(self) -> None:
+        self.trainer.reset()
+
+    def step(self, step_index: int) -> dict[str, Any]:
+        mine = torch.tensor(self.trainer.barrier_backwards(), dtype=torch.int64)
+        most = mine.to(self.device, copy=True)  # all_reduce works in place
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        self._pads = (most.cpu() - mine).tolist()
+        return self.trainer.step(lr=learning_rate_at(step_index, self.learning_rate))
+
+    def save(self, version: int) -> None:
+        self.checkpoints.save(self.model, self.optimizer, version)
+
+    def _reduce(self, params: list[torch.nn.Parameter], sums: torch.Tensor) -> torch.Tensor:
+        # The gradients are summed already, by the reduce-scatters inside each backward; what is
+        # left is to run this optimizer step's pads, then sum the loss-side numbers.
+        if not self._pads:
+            raise RuntimeError("an optimizer step the barrier did not plan for")
+        del params
+        for _ in range(self._pads.pop(0)):
+            self.trainer.pad()
+        summed = sums.to(device=self.device, dtype=torch.float64)
+        dist.all_reduce(summed)
+        return summed.cpu()
