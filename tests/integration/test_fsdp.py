@@ -190,6 +190,9 @@ def test_two_sharded_ranks_equal_one_rank(sharded_job: tuple[Path, float], name:
     assert stats["loss"] == pytest.approx(want_stats["loss"], rel=1e-9, abs=1e-12)
     assert stats["grad_norm"] == pytest.approx(want_stats["grad_norm"], rel=1e-9)
     assert stats["optimizer_steps"] == want_stats["optimizer_steps"]
+    # The step record's cost fields: the worst rank's resident peak holds at least the model.
+    assert stats["peak_memory_bytes"] > sum(t.numel() * 8 for t in want.values())
+    assert stats["tokens_per_s_train"] > 0
 
 
 def test_published_version_loads_in_transformers_and_the_torch_engine(

@@ -286,6 +286,13 @@ def _sync_restore(local: TorchPolicy, version: int | None) -> int:
     return version
 
 
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    """Every rank calls this after each step: the step record's memory is the worst rank's."""
+    box = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return float(box[0])
+
+
 def all_reduce_grads(params: list[torch.nn.Parameter], sums: torch.Tensor) -> torch.Tensor:
     """Sum every rank's gradients into each rank's ``.grad``; returns ``sums`` summed too."""
     device, dtype = params[0].device, params[0].dtype
@@ -377,7 +384,9 @@ class DistributedPolicy:
         if isinstance(self.local, ShardedPolicy) and self._round:
             self._flush(self.local)
         self.chan.send(Step(step_index))
-        return self.local.step(step_index)
+        stats = self.local.step(step_index)
+        stats["peak_memory_bytes"] = _max_over_ranks(stats["peak_memory_bytes"], self.chan.device)
+        return stats
 
     def save(self, version: int) -> None:
         if isinstance(self.local, ShardedPolicy):
@@ -441,7 +450,7 @@ def _apply(policy: Local, command: Command, rank: int) -> None:
             case Reset():
                 policy.reset()
             case Step(step_index=step_index):
-                policy.step(step_index)
+                _max_over_ranks(policy.step(step_index)["peak_memory_bytes"], policy.device)
             case _:
                 raise DistributedError(f"{type(command).__name__} in a sharded run")
         return
@@ -453,6 +462,7 @@ def _apply(policy: Local, command: Command, rank: int) -> None:
         case Reset():
             policy.reset()
         case Step(step_index=step_index):
-            policy.step(step_index)
+            _max_over_ranks(policy.step(step_index)["peak_memory_bytes"],
+                            next(policy.model.parameters()).device)
         case _:
             pass  # Setup, Ping and Stop never reach here (worker_loop handles them)

@@ -46,6 +46,7 @@ from trainer_svc import task
 from trainer_svc.grpo import learning_rate_at
 from trainer_svc.model import load_policy
 from trainer_svc.sharded_checkpoint import ShardedCheckpoints
+from trainer_svc.step_meter import StepMeter
 from trainer_svc.step_trainer import Group, RunShape, StepTrainer, Work
 
 # Kinds of work in the order every rank runs them within a round (module doc).
@@ -103,6 +104,9 @@ def shard(model: torch.nn.Module, cfg: ShardingConfig, device: torch.device) -> 
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a sum, not a mean (module doc)
+            # A plain SUM in the collective: for fp32/bf16 FSDP2 would otherwise ask for
+            # PREMUL_SUM, which gloo does not have.
+            m.set_force_sum_reduction_for_comms(True)
 
 
 class ShardedPolicy:
@@ -135,6 +139,7 @@ class ShardedPolicy:
         self.checkpoints = ShardedCheckpoints(run_dir, model_dir)
         self.eos_id = task.EOS_ID
         self.vocab_size = int(getattr(self.model.config, "vocab_size", 0))
+        self.meter = StepMeter(device)
         self._pads: list[int] = []  # per optimizer step of this RL step: pads still to run
 
     def restore(self) -> int:
@@ -150,6 +155,10 @@ class ShardedPolicy:
         """Record every group; run this rank's (``groups[rank]``), or pad for it."""
         if len(groups) != self.world_size:
             raise ValueError(f"a round has one slot per rank, got {len(groups)}")
+        with self.meter.timed():
+            self._run_round(groups)
+
+    def _run_round(self, groups: list[Group | None]) -> None:
         own = groups[self.rank]
         for i, group in enumerate(groups):
             if group is not None and i != self.rank:
@@ -168,8 +177,14 @@ class ShardedPolicy:
 
     def reset(self) -> None:
         self.trainer.reset()
+        self.meter.reset()
 
     def step(self, step_index: int) -> dict[str, Any]:
+        with self.meter.timed():
+            stats = self._step(step_index)
+        return self.meter.finish(stats)
+
+    def _step(self, step_index: int) -> dict[str, Any]:
         mine = torch.tensor(self.trainer.barrier_backwards(), dtype=torch.int64)
         most = mine.to(self.device, copy=True)  # all_reduce works in place
         dist.all_reduce(most, op=dist.ReduceOp.MAX)

@@ -21,6 +21,7 @@ from trainer_svc import task
 from trainer_svc.checkpoint import RunCheckpoints
 from trainer_svc.grpo import learning_rate_at
 from trainer_svc.model import load_policy
+from trainer_svc.step_meter import StepMeter
 from trainer_svc.step_trainer import Group, Reduce, RunShape, StepTrainer, local_reduce
 
 
@@ -51,6 +52,7 @@ class TorchPolicy:
         self.checkpoints = RunCheckpoints(run_dir, model_dir)
         self.eos_id = task.EOS_ID
         self.vocab_size = int(getattr(self.model.config, "vocab_size", 0))
+        self.meter = StepMeter(device)
 
     def restore(self) -> int:
         version = self.checkpoints.restore(self.model, self.optimizer)
@@ -62,15 +64,19 @@ class TorchPolicy:
         return task.reward(prompt, response)
 
     def add_group(self, group: Group, owned: bool = True) -> None:
-        self.trainer.add_group(group, owned)
+        with self.meter.timed():
+            self.trainer.add_group(group, owned)
 
     def reset(self) -> None:
         self.trainer.reset()
+        self.meter.reset()
 
     def step(self, step_index: int) -> dict[str, Any]:
         # The warm-up schedule is a pure function of the step: a restarted trainer needs no
         # scheduler state to resume it.
-        return self.trainer.step(lr=learning_rate_at(step_index, self.learning_rate))
+        with self.meter.timed():
+            stats = self.trainer.step(lr=learning_rate_at(step_index, self.learning_rate))
+        return self.meter.finish(stats)
 
     def save(self, version: int) -> None:
         self.checkpoints.save(self.model, self.optimizer, version)
