@@ -104,3 +104,8 @@ chaos: venv
 # The paper's figure set at the paper's scale in the simulator: docs/results/ + README results
 bench-paper-sim: venv
 	$(BIN)/python -m benchmarks.paper_sim
+
+.PHONY: bench-trainer
+# Step time and peak memory per rank: the replicated trainer vs FSDP2, 1 and 2 ranks
+bench-trainer: venv
+	$(BIN)/python -m benchmarks.trainer

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# gpu-check: the whole system end to end with the SGLang engine on a real GPU and a real model.
+# gpu-check: the sharded trainer (FSDP2) on nccl, then the whole system end to end with the
+# SGLang engine on a real GPU and a real model.
 #
 #   make gpu-check MODEL=/path/to/small-hf-model      (or: scripts/gpu-check.sh /path/to/model)
 #
@@ -14,12 +15,22 @@ set -euo pipefail
 
 MODEL="${1:-${MODEL:-}}"
 PY="${PYTHON:-.venv/bin/python}"
-if [[ -z "$MODEL" || ! -f "$MODEL/config.json" ]]; then
-    echo "usage: $0 /path/to/hf-model-dir (a directory with config.json)" >&2
-    exit 2
-fi
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu-check: no NVIDIA GPU here; nothing checked" >&2
+    exit 2
+fi
+
+# The sharded trainer on nccl first (needs no model and no SGLang): FSDP2 on min(GPUs, 2)
+# ranks, one GPU each (nccl refuses two ranks on one device), vs the replicated trainer on one
+# GPU: step time and torch's peak allocated memory per rank, printed for the README.
+GPUS=$(nvidia-smi -L | wc -l)
+RANKS=$(( GPUS >= 2 ? 2 : 1 ))
+echo "gpu-check: FSDP2 with nccl on $RANKS rank(s)"
+"$PY" -m benchmarks.trainer --layers "${FSDP_LAYERS:-16}" --hidden "${FSDP_HIDDEN:-1024}" \
+    --steps 3 --jobs "plain:1,fsdp2:$RANKS"
+
+if [[ -z "$MODEL" || ! -f "$MODEL/config.json" ]]; then
+    echo "usage: $0 /path/to/hf-model-dir (a directory with config.json)" >&2
     exit 2
 fi
 if ! "$PY" -c "import sglang" 2>/dev/null; then
