@@ -1,13 +1,13 @@
 """Exactly-once token accounting in Redis: every state change of a response is one Lua script.
 
 Contract: a response ("request") is a Redis hash; its tokens are committed only by
-:meth:`Ledger.commit_many` (in stream order, a batch per script), which for each chunk checks in
-one atomic script that its lease epoch is the current one and its lease is alive (fencing), that
-its offset is the next uncommitted position, and then appends. So a redelivered chunk is a
-counted duplicate, a chunk from a revoked or expired owner is a counted stale chunk, and no
-interleaving of manager restarts, redeliveries or zombies can commit a token twice. Ownership
-changes (:meth:`assign`, :meth:`revoke`) bump the epoch in the same atomic way. The scripts
-are ``manager_svc/lua/{commit,assign,revoke,renew_many}.lua``.
+:meth:`Ledger.commit_many` (token frames in stream order, each frame's entries in one script
+call), which for each entry checks atomically that its lease epoch is the current one and its
+lease is alive (fencing), that its offset is the next uncommitted position, and then appends.
+So a redelivered entry is a counted duplicate, an entry from a revoked or expired owner is a
+counted stale entry, and no interleaving of manager restarts, redeliveries or zombies can
+commit a token twice. Ownership changes (:meth:`assign`, :meth:`revoke`) bump the epoch in
+the same atomic way. The scripts are ``manager_svc/lua/{commit,assign,revoke,renew_many}.lua``.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from redis.exceptions import RedisError
 from manager_svc.crash import STEP_CREATE_COMMIT, STEP_CREATE_REQUESTS, CrashPoints
 from manager_svc.scripts import register
 from shared.names import Keys, parse_request_id, request_id
-from shared.protocol import Assignment, Sample, TokenChunk
+from shared.protocol import Assignment, Sample, TokenFrame
 
 log = logging.getLogger("manager")
-# Chunks per commit script. A script holds Redis while it runs (tens of us a chunk), so a big
+# Entries per commit script: frames are packed into one script until they reach this many (a
+# frame is never split). A script holds Redis while it runs (several us an entry), so a big
 # batch goes as several pipelined scripts and other clients' commands get in between them.
-COMMIT_SLICE = 64
+COMMIT_SLICE = 256
 # Responses written per step-creation script. Redis serves nobody while a script runs (and,
 # with appendfsync always, until its AOF write is synced): 512 kept a ping under ~120 ms and
 # the event loop's lag under ~25 ms while 100k responses were written (2,048: 330 ms, 50 ms).
@@ -67,7 +68,7 @@ class StepRefused(Exception):
 @dataclass(frozen=True, slots=True)
 class CommitResult:
     status: str  # ok | final | group | step | duplicate | stale | gap | wrong_version | ...
-    committed: int  # tokens committed for the response after this chunk
+    committed: int  # tokens committed for the response after this entry
 
 
 class Ledger:
@@ -191,25 +192,26 @@ class Ledger:
         self.crash.reach(STEP_CREATE_REQUESTS)
         return bool(written)
 
-    async def commit(self, chunk: TokenChunk) -> CommitResult:
-        [result] = await self.commit_many([chunk])
-        return result
+    async def commit(self, frame: TokenFrame) -> list[CommitResult]:
+        """One frame's entries, in order: a result per entry."""
+        return await self.commit_many([frame])
 
-    async def commit_many(self, chunks: list[TokenChunk], wait_for_redis: bool = False
+    async def commit_many(self, frames: list[TokenFrame], wait_for_redis: bool = False
                           ) -> list[CommitResult]:
-        """Commit ``chunks`` in this order, in one round trip: scripts of up to COMMIT_SLICE
-        chunks, pipelined. Each chunk gets exactly the checks and updates a commit of it alone
-        would (fencing, in-order offsets, duplicates), in order; batching only saves round
-        trips and fsyncs (Redis writes the AOF once per event-loop pass, not per script).
+        """Commit the entries of ``frames`` in this order, in one round trip: pipelined
+        scripts of whole frames, up to COMMIT_SLICE entries each. Each entry gets exactly the
+        checks and updates a commit of it alone would (fencing, in-order offsets, duplicates),
+        in order; frames only save messages, round trips and fsyncs. Returns one result per
+        entry, frame after frame.
 
-        With ``wait_for_redis`` an outage is waited out, never skipped: the chunk stream holds
-        later chunks behind these, so every offset stays in sequence. The batch is then sent
-        again; its executed part reads as duplicates, as a lost reply to one commit does.
+        With ``wait_for_redis`` an outage is waited out, never skipped: the stream holds later
+        frames behind these, so every offset stays in sequence. The batch is then sent again;
+        its executed part reads as duplicates, as a lost reply to one commit does.
         """
         delay = 0.05
         while True:
             try:
-                return await self._commit_batch(chunks)
+                return await self._commit_batch(frames)
             except RedisError as exc:
                 if not wait_for_redis:
                     raise
@@ -217,28 +219,48 @@ class Ledger:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def _commit_batch(self, chunks: list[TokenChunk]) -> list[CommitResult]:
-        if not chunks:
-            return []
-        now, calls = time.time(), []
-        for i in range(0, len(chunks), COMMIT_SLICE):
-            args: list[str | bytes | float] = [now, self._held_prefix, Keys.request(""),
-                                               Keys.lease(""), *self._step_suffixes]
-            for chunk in chunks[i:i + COMMIT_SLICE]:
-                run_id, step, _, _ = parse_request_id(chunk.request_id)
-                # Epoch and tokens go as text: Lua numbers are doubles, and the lease check
-                # and the stored response must see exactly the integers that were sent.
-                args.append(_json.encode([
-                    chunk.request_id, chunk.instance_id, str(chunk.epoch), chunk.weight_version,
-                    chunk.offset, len(chunk.token_ids), _csv(chunk.token_ids), chunk.final,
-                    chunk.finish_reason or "", chunk.kind, Keys.step(run_id, step)]))
+    def _frame_arg(self, frame: TokenFrame) -> bytes:
+        entries = []
+        for e in frame.entries:
+            run_id, step, _, _ = parse_request_id(e.request_id)
+            # Epoch and tokens go as text: Lua numbers are doubles, and the lease check and
+            # the stored response must see exactly the integers that were sent.
+            entries.append([e.request_id, str(e.epoch), e.weight_version, e.offset,
+                            len(e.token_ids), _csv(e.token_ids), e.final, e.finish_reason or "",
+                            Keys.step(run_id, step)])
+        return _json.encode([frame.instance_id, frame.kind, entries])
+
+    async def _commit_batch(self, frames: list[TokenFrame]) -> list[CommitResult]:
+        return await self.run_commits(self.pack(frames))
+
+    def pack(self, frames: list[TokenFrame]) -> list[list[str | bytes | float]]:
+        """The commit script's arguments for ``frames``: one call per COMMIT_SLICE entries."""
+        head: list[str | bytes | float] = [time.time(), self._held_prefix, Keys.request(""),
+                                           Keys.lease(""), *self._step_suffixes]
+        calls, args, size = [], list(head), 0
+        for frame in frames:
+            if not frame.entries:
+                continue
+            args.append(self._frame_arg(frame))
+            size += len(frame.entries)
+            if size >= COMMIT_SLICE:
+                calls.append(args)
+                args, size = list(head), 0
+        if size:
             calls.append(args)
+        return calls
+
+    async def run_commits(self, calls: list[list[str | bytes | float]]) -> list[CommitResult]:
+        """Run packed commit calls in one round trip (the benchmark's Redis-only bound runs
+        exactly this, with no NATS and no manager in front of it)."""
+        if not calls:
+            return []
         if len(calls) == 1:
             replies = [await self._commit(keys=[], args=calls[0])]
         else:
             pipe = self.r.pipeline(transaction=False)
-            for args in calls:
-                await self._commit(keys=[], args=args, client=pipe)
+            for call in calls:
+                await self._commit(keys=[], args=call, client=pipe)
             replies = await pipe.execute()
         return [CommitResult(status, int(n)) for reply in replies
                 for status, n in (item.split(" ") for item in str(reply).split(","))]

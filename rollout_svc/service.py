@@ -1,8 +1,9 @@
-"""One rollout instance: join, pull the step's weights, generate, stream token chunks, leave.
+"""One rollout instance: join, pull the step's weights, generate, stream token frames, leave.
 
 Contract: the instance holds nothing the system needs. Its work arrives as leased assignments;
-it streams every ``chunk_tokens`` tokens of each response to the durable chunk stream, stamped
-with the lease epoch and a MAC under the lease's key, and renews its leases with each heartbeat.
+once any response has ``chunk_tokens`` new tokens (or ends) it flushes: one frame to the
+durable chunk stream carrying the new tokens of all its responses, each entry stamped with its
+lease epoch and a MAC under its lease's key; it renews its leases with each heartbeat.
 It logs in to NATS with a key pair made for this process (:mod:`shared.identity`), under which
 the manager's auth callout lets it use its own subjects only; it holds the weights read token.
 SIGTERM is a preemption notice: it stops taking work, commits what it has generated, hands its
@@ -35,19 +36,21 @@ from shared.identity import new_user_seed
 from shared.metrics import serve_metrics
 from shared.process import cancel_and_wait, wait_event
 from shared.protocol import (
+    MESSAGE_BUDGET,
     Ack,
     Assignment,
+    FrameEntry,
     Heartbeat,
     HeartbeatReply,
     Held,
     Release,
     Revoke,
-    TokenChunk,
+    TokenFrame,
     WeightsAnnounce,
-    chunk_mac,
     decode,
     decode_command,
     encode,
+    entry_mac,
 )
 from shared.settings import reveal
 from shared.weights import PeerServer, pull_version
@@ -60,7 +63,10 @@ class RolloutMetrics:
         self.registry = CollectorRegistry()
         self.tokens = Counter("rlboost_rollout_tokens_generated_total", "Tokens generated",
                               registry=self.registry)
-        self.chunks = Counter("rlboost_rollout_chunks_published_total", "Chunks published",
+        self.chunks = Counter("rlboost_rollout_chunks_published_total",
+                              "Response entries published (in token frames)",
+                              registry=self.registry)
+        self.frames = Counter("rlboost_rollout_frames_published_total", "Token frames published",
                               registry=self.registry)
         self.assigned = Counter("rlboost_rollout_assignments_total", "Responses assigned",
                                 registry=self.registry)
@@ -96,8 +102,8 @@ class RolloutService:
         self._loading: asyncio.Task[None] | None = None
         self._target: tuple[str, int] | None = None  # what the manager last asked for
         self._wake = asyncio.Event()
-        # Held while chunks go out: a hand-back publishes a buffer only once no other publish
-        # of it is in flight, so a response's chunks and its offset stay in step.
+        # Held while a frame goes out: a hand-back publishes a buffer only once no other publish
+        # of it is in flight, so a response's entries and its offset stay in step.
         self._publishing = asyncio.Lock()
         self._beat = asyncio.Event()  # set to send a heartbeat now rather than on the period
         self._stop = asyncio.Event()
@@ -159,9 +165,8 @@ class RolloutService:
             await cancel_and_wait(task)
         self.engine.drain()
         # Commit whatever was generated, so the next owner resumes after it, not before.
-        for rid, item in list(self.inflight.items()):
-            if (item.buffer or item.final) and not await self._publish(rid, item, item.final):
-                break
+        await self._publish([(rid, item) for rid, item in self.inflight.items()
+                             if item.buffer or item.final])
         held = [Held(request_id=rid, epoch=i.assignment.epoch, published=i.offset)
                 for rid, i in self.inflight.items()]
         with contextlib.suppress(RlboostError):
@@ -301,14 +306,12 @@ class RolloutService:
         for rid, item in items.items():
             item.frozen = True  # the generate loop adds nothing to it from now on
             self.engine.abort(rid)
-        held = []
         async with self._publishing:
-            for rid, item in items.items():
-                if (item.buffer or item.final) and not await self._publish(rid, item, item.final):
-                    continue  # dropped: the manager takes it back from its last commit
-                if not item.final:
-                    held.append(Held(request_id=rid, epoch=item.assignment.epoch,
-                                     published=item.offset))
+            # Not published (dropped): the manager takes those back from their last commit.
+            await self._publish([(rid, item) for rid, item in items.items()
+                                 if item.buffer or item.final])
+        held = [Held(request_id=rid, epoch=item.assignment.epoch, published=item.offset)
+                for rid, item in items.items() if not item.final and rid in self.inflight]
         if held:
             with contextlib.suppress(RlboostError):
                 await request(self.nc, names.release_subject(self.cfg.instance_id), Release(
@@ -347,41 +350,66 @@ class RolloutService:
                     item.buffer.append(ev.token_id)
                 if ev.finished:
                     item.final, item.finish_reason = True, ev.finish_reason
-            due = [(rid, item) for rid, item in self.inflight.items() if not item.frozen
-                   and (item.final or len(item.buffer) >= self.cfg.chunk_tokens)]
-            # All at once: one broker round trip per step instead of one per chunk, which on a
-            # WAN link to the reserved side would stall generation for most of each step. A
-            # response still has at most one chunk in flight, so its chunks stay in order.
+            if not any(not i.frozen and (i.final or len(i.buffer) >= self.cfg.chunk_tokens)
+                       for i in self.inflight.values()):
+                continue
+            # A flush: every response's new tokens in one frame (one message, one commit
+            # script), so the message rate is per instance and flush, not per response; no
+            # buffer outgrows chunk_tokens, which bounds what a preemption wastes. The frame
+            # is awaited before the next flush, so a response's entries stay in order.
+            due = [(rid, item) for rid, item in self.inflight.items()
+                   if not item.frozen and (item.buffer or item.final)]
             async with self._publishing:
-                await asyncio.gather(*(self._publish(rid, item, final=item.final)
-                                       for rid, item in due))
+                await self._publish(due)
 
-    async def _publish(self, rid: str, item: InFlight, final: bool) -> bool:
-        a = item.assignment
-        chunk = TokenChunk(
-            request_id=rid, instance_id=self.cfg.instance_id, epoch=a.epoch,
-            weight_version=a.weight_version, offset=item.offset, token_ids=item.buffer,
-            final=final, finish_reason=item.finish_reason if final else None,  # type: ignore[arg-type]
-            kind=self.cfg.kind,
-        )
-        chunk.mac = chunk_mac(a.lease_key, chunk)
-        subject = names.chunk_subject(a.run_id, self.cfg.instance_id)
+    async def _publish(self, items: list[tuple[str, InFlight]]) -> None:
+        """Publish ``items``' buffers as one frame (more where one would pass MESSAGE_BUDGET).
+        A frame that cannot be published drops its responses: the manager re-dispatches them
+        from their last commit."""
+        runs = {item.assignment.run_id for _, item in items}
+        if len(runs) > 1:  # a frame's subject names one run (a weight swap can leave two)
+            for run in sorted(runs):
+                await self._publish([x for x in items if x[1].assignment.run_id == run])
+            return
+        if not items:
+            return
+        entries = [self._entry(rid, item) for rid, item in items]
+        frame = TokenFrame(instance_id=self.cfg.instance_id, kind=self.cfg.kind, entries=entries)
+        data = encode(frame)
+        if len(data) > MESSAGE_BUDGET and len(items) > 1:
+            half = len(items) // 2
+            await self._publish(items[:half])
+            await self._publish(items[half:])
+            return
+        subject = names.chunk_subject(items[0][1].assignment.run_id, self.cfg.instance_id)
         for attempt in range(20):
             try:
-                await self.js.publish(subject, encode(chunk), timeout=2.0)
+                await self.js.publish(subject, data, timeout=2.0)
                 break
-            except Exception as exc:  # broker restart: retry while the lease may still hold
-                log.warning("publishing a chunk of %s failed (%s); retrying", rid, exc)
+            except Exception as exc:  # broker restart: retry while the leases may still hold
+                log.warning("publishing a frame of %d responses failed (%s); retrying",
+                            len(items), exc)
                 await asyncio.sleep(min(0.1 * (attempt + 1), 1.0))
         else:
-            # Could not commit: drop it; the manager re-dispatches from the last commit.
-            self.inflight.pop(rid, None)
-            self.engine.abort(rid)
-            return False
-        self.metrics.chunks.inc()
-        item.offset += len(item.buffer)
-        item.buffer = []
-        if final:
-            self.inflight.pop(rid, None)
-            self.finished[rid] = a.epoch
-        return True
+            for rid, _ in items:
+                self.inflight.pop(rid, None)
+                self.engine.abort(rid)
+            return
+        self.metrics.frames.inc()
+        self.metrics.chunks.inc(len(items))
+        for rid, item in items:
+            item.offset += len(item.buffer)
+            item.buffer = []
+            if item.final:
+                self.inflight.pop(rid, None)
+                self.finished[rid] = item.assignment.epoch
+
+    def _entry(self, rid: str, item: InFlight) -> FrameEntry:
+        a = item.assignment
+        entry = FrameEntry(
+            request_id=rid, epoch=a.epoch, weight_version=a.weight_version, offset=item.offset,
+            token_ids=list(item.buffer), final=item.final,
+            finish_reason=item.finish_reason if item.final else None,  # type: ignore[arg-type]
+        )
+        entry.mac = entry_mac(a.lease_key, self.cfg.instance_id, entry)
+        return entry

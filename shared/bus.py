@@ -96,13 +96,20 @@ async def ensure_chunk_stream(js: JetStreamContext) -> None:
         await js.update_stream(config)
 
 
+REDIS_CONNECTIONS = 64  # per client; more concurrent commands wait for one
+
+
 async def connect_redis(url: str, deadline_s: float = 30.0) -> aioredis.Redis:
     end = time.monotonic() + deadline_s
     while True:
-        client: aioredis.Redis = aioredis.Redis.from_url(
+        # A blocking pool: a burst of handlers (hundreds of instances heartbeating at once)
+        # waits for a connection instead of failing with "Too many connections" (redis-py's
+        # pool raises past its 100 by default), which took a loaded manager's heartbeats down.
+        pool = aioredis.BlockingConnectionPool.from_url(
             url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2,
-            health_check_interval=5,
+            health_check_interval=5, max_connections=REDIS_CONNECTIONS, timeout=10,
         )
+        client: aioredis.Redis = aioredis.Redis.from_pool(pool)
         try:
             await client.ping()
             return client

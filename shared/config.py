@@ -193,7 +193,10 @@ class RolloutConfig(Settings):
     heartbeat_s: float = setting(
         "RLBOOST_HEARTBEAT_S", 0.5, "heartbeat period; leases are renewed on each beat",
         ge=0.05)
-    chunk_tokens: int = setting("RLBOOST_CHUNK_TOKENS", 4, "tokens per streamed chunk", ge=1)
+    chunk_tokens: int = setting(
+        "RLBOOST_CHUNK_TOKENS", 4, "flush interval: once a response has this many new tokens "
+        "(or ends) the instance publishes one frame with every response's new tokens; a "
+        "preempted response wastes at most this many", ge=1)
     max_batch: int = setting("RLBOOST_MAX_BATCH", 32, "responses generated concurrently", ge=1)
     grace_s: float = setting(
         "RLBOOST_GRACE_S", 30.0, "after a preemption notice, hand work back and leave within "

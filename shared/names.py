@@ -4,7 +4,7 @@ Subjects (core NATS unless marked JetStream):
     rlb.inst.heartbeat.<id>     instance -> manager, request/reply (Heartbeat -> HeartbeatReply)
     rlb.inst.release.<id>       instance -> manager, request/reply (Release -> Ack)
     rlb.inst.assign.<id>        manager -> one instance (Assign)
-    rlb.chunk.<run>.<id>        instance -> manager, JetStream stream RLB_CHUNKS (TokenChunk)
+    rlb.chunk.<run>.<id>        instance -> manager, JetStream stream RLB_CHUNKS (TokenFrame)
     rlb.trainer.<verb>          trainer -> manager, request/reply
                                 (poll|start|samples|finish|fail|record|warn)
     rlb.evt.group.<run>         manager -> trainer, best effort (GroupDone)

@@ -34,6 +34,11 @@ RequestId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN, max_length=1
 Tracker = Literal["tensorboard", "wandb", "mlflow"]
 
 
+# Entries per frame: an instance batches at most a few hundred responses; a frame past this is
+# malformed, so no single message can hold a commit script (and Redis) for long.
+FRAME_ENTRIES = 4096
+
+
 class Msg(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
     """Base of every bus message; the tag names the type on the wire."""
 
@@ -208,9 +213,9 @@ class Assignment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_index: int
     sample_index: int
     weight_version: int  # must equal the instance's loaded version
-    epoch: int  # fencing token to stamp on every chunk
+    epoch: int  # fencing token to stamp on every frame entry
     # hex HMAC key of this lease (request, epoch): only its holder reads it, on its own subject,
-    # and every chunk it sends carries a MAC under it (chunk_mac), so chunks cannot be forged
+    # and every frame entry it sends carries a MAC under it (entry_mac), so none can be forged
     lease_key: str = ""
     prompt_token_ids: list[int]
     committed_token_ids: list[int]  # tokens already committed: resume after them (migration)
@@ -243,17 +248,31 @@ class Release(Msg):
     session: str = ""  # the leaving process's Heartbeat.session
 
 
-class TokenChunk(Msg):
+class FrameEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The new tokens of one response in a :class:`TokenFrame`."""
+
     request_id: RequestId
-    instance_id: InstanceId  # must equal the last token of the subject it was published on
     epoch: int  # rejected unless equal to the current lease epoch
     weight_version: int  # rejected unless equal to the step's version
     offset: int  # position of token_ids[0] in the response; must be the next uncommitted one
     token_ids: list[int]
-    final: bool = False  # the response ends with this chunk
+    final: bool = False  # the response ends with this entry
     finish_reason: FinishReason | None = None
+    mac: str = ""  # entry_mac under the lease key of its Assignment; checked before any commit
+
+
+class TokenFrame(Msg):
+    """One flush of a rollout instance: the new tokens of all its responses, one entry each.
+
+    One message and one commit script per flush rather than per response: the per-message
+    costs (publish, ack, decode, script call) were the manager's ceiling. Each entry keeps its
+    own MAC under its own lease's key (a frame mixes leases, and a per-frame MAC would need a
+    per-instance key the manager does not have), so a frame authenticates exactly as strongly
+    as one message per response did; the manager drops a bad entry, not its frame."""
+
+    instance_id: InstanceId  # must equal the last token of the subject it was published on
+    entries: Annotated[list[FrameEntry], msgspec.Meta(min_length=1, max_length=FRAME_ENTRIES)]
     kind: InstanceKind = "spot"  # who generated it: the seeding controller measures both sides
-    mac: str = ""  # chunk_mac under the lease key of its Assignment; checked before any commit
 
 
 # --- trainer <-> manager ----------------------------------------------------------------------
@@ -474,18 +493,24 @@ def decode_command(data: bytes) -> Assign | Revoke:
         raise ProtocolError("instance command", str(exc)) from exc
 
 
-def chunk_mac(lease_key: str, chunk: TokenChunk) -> str:
-    """HMAC-SHA256 under the lease key over everything a commit depends on, canonically encoded
-    (a JSON array: field order fixed, no whitespace). Knowing a request id and epoch is not
-    enough to produce it: the key is derived from a secret of the manager's."""
-    body = _encoder.encode([chunk.request_id, chunk.instance_id, chunk.epoch,
-                            chunk.weight_version, chunk.offset, chunk.token_ids, chunk.final,
-                            chunk.finish_reason])
+def entry_mac(lease_key: str, instance_id: str, entry: FrameEntry) -> str:
+    """HMAC-SHA256 under the lease key (hex) over everything a commit of ``entry`` depends on
+    (the sending instance included), canonically encoded (a JSON array: field order fixed, no
+    whitespace). Knowing a request id and epoch is not enough to produce it: the key is derived
+    from a secret of the manager's."""
     try:
         key = bytes.fromhex(lease_key)
     except ValueError:
         key = b""
-    return hmac.new(key, body, hashlib.sha256).hexdigest()
+    return entry_digest(key, instance_id, entry).hex()
+
+
+def entry_digest(key: bytes, instance_id: str, entry: FrameEntry) -> bytes:
+    """:func:`entry_mac` as raw bytes under a raw key: the manager checks every entry of every
+    frame, and the one-shot ``hmac.digest`` is several times cheaper than an ``hmac.new``."""
+    body = _encoder.encode([entry.request_id, instance_id, entry.epoch, entry.weight_version,
+                            entry.offset, entry.token_ids, entry.final, entry.finish_reason])
+    return hmac.digest(key, body, "sha256")
 
 
 def sample_digest(samples: list[Sample]) -> Digest:

@@ -1,7 +1,10 @@
--- Commits a batch of chunks in order, each exactly as if alone (a batch only saves round trips).
--- ARGV: now, held_prefix, req_prefix, lease_prefix, leased/done/pending suffixes of the step
--- key, then one JSON array per chunk (see Ledger._commit_batch; one argument, not eleven, as
--- packing arguments was most of the commit's CPU). Returns "status n,status n,..." in order.
+-- Commits token frames' entries in order, each exactly as if alone (a frame only saves messages,
+-- round trips and script calls; every entry is still checked against its own response's lease,
+-- epoch and offset). ARGV: now, held_prefix, req_prefix, lease_prefix, leased/done/pending
+-- suffixes of the step key, then one JSON array per frame: [instance, kind, entries], an entry
+-- being [request id, epoch, version, offset, ntok, tokens csv, final, finish, step key] (see
+-- Ledger._frame_arg; one argument per frame, as packing arguments was most of the commit's
+-- CPU). Returns "status n,status n,..." per entry, in order.
 -- include: common.lua
 local now, held_prefix, req_prefix, lease_prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 -- Step counters are summed here and written once per script: Redis time per chunk is the
@@ -81,10 +84,13 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
 end
 local out = {}
 for i = 8, #ARGV do
-  local c = cjson.decode(ARGV[i])
-  local status, n = commit(c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8] and '1' or '0',
-                           c[9], c[10], c[11])
-  out[#out + 1] = status .. ' ' .. n
+  local f = cjson.decode(ARGV[i])
+  local inst, kind = f[1], f[2]
+  for _, e in ipairs(f[3]) do
+    local status, n = commit(e[1], inst, e[2], e[3], e[4], e[5], e[6], e[7] and '1' or '0',
+                             e[8], kind, e[9])
+    out[#out + 1] = status .. ' ' .. n
+  end
 end
 for step, fields in pairs(counts) do
   for field, by in pairs(fields) do redis.call('HINCRBY', step, field, by) end

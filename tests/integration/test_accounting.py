@@ -10,17 +10,23 @@ import pytest
 from manager_svc.accounting import Ledger
 from shared.bus import connect_redis
 from shared.names import Keys
-from shared.protocol import TokenChunk
+from shared.protocol import FrameEntry, TokenFrame
 from shared.stack import Stack
 
 RUN = "run-acc"
 
 
 def chunk(rid: str, inst: str, epoch: int, offset: int, tokens: list[int], final: bool = False,
-          version: int = 0) -> TokenChunk:
-    return TokenChunk(request_id=rid, instance_id=inst, epoch=epoch, weight_version=version,
-                      offset=offset, token_ids=tokens, final=final,
-                      finish_reason="stop" if final else None)
+          version: int = 0) -> TokenFrame:
+    """A frame with one entry: committed exactly as that response's entry in any frame."""
+    return TokenFrame(instance_id=inst, entries=[FrameEntry(
+        request_id=rid, epoch=epoch, weight_version=version, offset=offset, token_ids=tokens,
+        final=final, finish_reason="stop" if final else None)])
+
+
+async def outcome(ledger: Ledger, frame: TokenFrame) -> str:
+    [result] = await ledger.commit(frame)
+    return result.status
 
 
 @pytest.fixture
@@ -42,11 +48,11 @@ async def test_commit_in_order_then_duplicates_are_dropped(ledger: Ledger) -> No
     rid = f"{RUN}:0:0:0"
     a = await ledger.assign(rid, "i1", 1.0, 0, 2)
     assert a is not None and a.epoch == 1 and a.committed_token_ids == []
-    assert (await ledger.commit(chunk(rid, "i1", 1, 0, [5, 6]))).status == "ok"
+    assert await outcome(ledger, chunk(rid, "i1", 1, 0, [5, 6])) == "ok"
     # A redelivery of the same chunk changes nothing.
-    assert (await ledger.commit(chunk(rid, "i1", 1, 0, [5, 6]))).status == "duplicate"
-    assert (await ledger.commit(chunk(rid, "i1", 1, 2, [7, 2], final=True))).status == "final"
-    assert (await ledger.commit(chunk(rid, "i1", 1, 2, [7, 2], final=True))).status == "duplicate"
+    assert await outcome(ledger, chunk(rid, "i1", 1, 0, [5, 6])) == "duplicate"
+    assert await outcome(ledger, chunk(rid, "i1", 1, 2, [7, 2], final=True)) == "final"
+    assert await outcome(ledger, chunk(rid, "i1", 1, 2, [7, 2], final=True)) == "duplicate"
     [sample] = await ledger.samples([rid])
     assert sample.response_token_ids == [5, 6, 7, 2]
     assert sample.instances == ["i1"]
@@ -59,14 +65,14 @@ async def test_stale_epoch_is_fenced_and_migration_resumes(ledger: Ledger) -> No
     rid = f"{RUN}:0:1:0"
     first = await ledger.assign(rid, "i1", 1.0, 0, 2)
     assert first is not None
-    assert (await ledger.commit(chunk(rid, "i1", first.epoch, 0, [5]))).status == "ok"
+    assert await outcome(ledger, chunk(rid, "i1", first.epoch, 0, [5])) == "ok"
     assert await ledger.revoke(rid)
     second = await ledger.assign(rid, "i2", 1.0, 0, 2)
     assert second is not None and second.epoch == first.epoch + 2
     assert second.committed_token_ids == [5]
     # The old owner wakes up: every chunk it sends is rejected, whatever its offset.
-    assert (await ledger.commit(chunk(rid, "i1", first.epoch, 1, [6]))).status == "stale"
-    assert (await ledger.commit(chunk(rid, "i2", second.epoch, 1, [7, 2], True))).status == "final"
+    assert await outcome(ledger, chunk(rid, "i1", first.epoch, 1, [6])) == "stale"
+    assert await outcome(ledger, chunk(rid, "i2", second.epoch, 1, [7, 2], True)) == "final"
     [sample] = await ledger.samples([rid])
     assert sample.response_token_ids == [5, 7, 2]
     assert sample.instances == ["i1", "i2"]
@@ -81,18 +87,18 @@ async def test_expired_lease_rejects_chunks(ledger: Ledger) -> None:
     a = await ledger.assign(rid, "i1", 1.0, 0, 2)
     assert a is not None
     await asyncio.sleep(0.7)  # past the 0.5 s lease
-    assert (await ledger.commit(chunk(rid, "i1", a.epoch, 0, [5]))).status == "stale"
+    assert await outcome(ledger, chunk(rid, "i1", a.epoch, 0, [5])) == "stale"
 
 
 async def test_gap_revokes_and_wrong_version_is_rejected(ledger: Ledger) -> None:
     rid = f"{RUN}:0:0:0"
     a = await ledger.assign(rid, "i1", 1.0, 0, 2)
     assert a is not None
-    assert (await ledger.commit(chunk(rid, "i1", a.epoch, 3, [5]))).status == "gap"
+    assert await outcome(ledger, chunk(rid, "i1", a.epoch, 3, [5])) == "gap"
     assert await ledger.r.sismember(Keys.pending(RUN, 0), rid)
     b = await ledger.assign(rid, "i1", 1.0, 0, 2)
     assert b is not None
-    status = (await ledger.commit(chunk(rid, "i1", b.epoch, 0, [5], version=7))).status
+    status = await outcome(ledger, chunk(rid, "i1", b.epoch, 0, [5], version=7))
     assert status == "wrong_version"
     [sample] = await ledger.samples([rid])
     assert sample.response_token_ids == []
@@ -102,7 +108,7 @@ async def test_overlong_response_is_refused(ledger: Ledger) -> None:
     rid = f"{RUN}:0:1:1"
     a = await ledger.assign(rid, "i1", 1.0, 0, 2)
     assert a is not None
-    assert (await ledger.commit(chunk(rid, "i1", a.epoch, 0, [5] * 7))).status == "overlong"
+    assert await outcome(ledger, chunk(rid, "i1", a.epoch, 0, [5] * 7)) == "overlong"
 
 
 async def test_group_and_step_completion_fire_once(ledger: Ledger) -> None:
@@ -112,7 +118,7 @@ async def test_group_and_step_completion_fire_once(ledger: Ledger) -> None:
             rid = f"{RUN}:0:{p}:{s}"
             a = await ledger.assign(rid, "i1", 1.0, 0, 2)
             assert a is not None
-            statuses.append((await ledger.commit(chunk(rid, "i1", a.epoch, 0, [2], True))).status)
+            statuses.append(await outcome(ledger, chunk(rid, "i1", a.epoch, 0, [2], True)))
     assert statuses == ["final", "group", "final", "step"]
     done = await ledger.done_samples(RUN, 0)
     assert [(s.prompt_index, s.sample_index) for s in done] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -175,3 +181,27 @@ async def test_a_late_second_finish_of_a_step_records_nothing(brokers: Stack,
     assert [r["step"] for r in await store.step_records(run["id"])] == [0, 1]
     assert (await store.get(run["id"]) or {})["state"] == "succeeded"
     await redis.aclose()
+
+
+async def test_a_frame_checks_each_response_alone(ledger: Ledger) -> None:
+    """One frame, one script call, yet each entry is fenced and ordered by its own response:
+    a stale entry and a gap do not stop the frame's good entries, nor commit anything."""
+    ok, stale, gap = f"{RUN}:0:0:0", f"{RUN}:0:0:1", f"{RUN}:0:1:0"
+    a, b, c = [await ledger.assign(rid, "i1", 1.0, 0, 2) for rid in (ok, stale, gap)]
+    assert a is not None and b is not None and c is not None
+    assert await ledger.revoke(stale)
+
+    def entry(rid: str, epoch: int, offset: int, tokens: list[int]) -> FrameEntry:
+        return FrameEntry(request_id=rid, epoch=epoch, weight_version=0, offset=offset,
+                          token_ids=tokens)
+    frame = TokenFrame(instance_id="i1", entries=[
+        entry(ok, a.epoch, 0, [5]), entry(stale, b.epoch, 0, [6]), entry(gap, c.epoch, 2, [7]),
+        entry(ok, a.epoch, 1, [8, 9])])
+    results = await ledger.commit(frame)
+    assert [r.status for r in results] == ["ok", "stale", "gap", "ok"]
+    assert [r.committed for r in results] == [1, 0, 0, 3]
+    # Redelivered whole (a manager killed before its ack): every entry is a duplicate or stale.
+    again = [r.status for r in await ledger.commit_many([frame, frame])]
+    assert again == ["duplicate", "stale", "stale", "duplicate"] * 2
+    samples = {s.request_id: s.response_token_ids for s in await ledger.samples([ok, stale, gap])}
+    assert samples == {ok: [5, 8, 9], stale: [], gap: []}

@@ -16,7 +16,7 @@ from shared.bus import connect_redis
 from shared.names import Keys
 from shared.protocol import sample_digest
 from shared.stack import Stack
-from tests.integration.test_accounting import chunk
+from tests.integration.test_accounting import chunk, outcome
 
 RUN = "run-dyn"
 SAMPLES = 2
@@ -36,7 +36,7 @@ async def ledger(brokers: Stack):
 async def complete(ledger: Ledger, rid: str, tokens: list[int], inst: str = "i1") -> str:
     a = await ledger.assign(rid, inst, 1.0, 0, 2)
     assert a is not None
-    return (await ledger.commit(chunk(rid, inst, a.epoch, 0, tokens, final=True))).status
+    return await outcome(ledger, chunk(rid, inst, a.epoch, 0, tokens, final=True))
 
 
 async def test_a_complete_dynamic_step_waits_for_its_close(ledger: Ledger) -> None:
@@ -74,7 +74,7 @@ async def test_close_keeps_the_named_groups_and_aborts_the_rest(ledger: Ledger) 
     flight = f"{RUN}:0:3:0"
     a = await ledger.assign(flight, "i2", 1.0, 0, 2)
     assert a is not None
-    assert (await ledger.commit(chunk(flight, "i2", a.epoch, 0, [1, 1, 1]))).status == "ok"
+    assert await outcome(ledger, chunk(flight, "i2", a.epoch, 0, [1, 1, 1])) == "ok"
     with pytest.raises(StepRefused):  # a kept group must be complete
         await ledger.close_step(RUN, 0, keep=[0, 3], filtered=[1], capped=False)
     discarded, aborted = await ledger.close_step(RUN, 0, keep=[0], filtered=[1], capped=False)
@@ -91,7 +91,7 @@ async def test_close_keeps_the_named_groups_and_aborts_the_rest(ledger: Ledger) 
     assert {(s.prompt_index, s.sample_index) for s in done} == {(0, 0), (0, 1)}
     assert sample_digest(done).tokens == 4
     # The aborted owner's late chunk is fenced, and counted as discarded, not committed.
-    late = await ledger.commit(chunk(flight, "i2", a.epoch, 3, [4, 2], final=True))
+    [late] = await ledger.commit(chunk(flight, "i2", a.epoch, 3, [4, 2], final=True))
     assert late.status == "aborted"
     assert int(await ledger.r.hget(Keys.step(RUN, 0), "tokens_discarded")) == 9
     assert await ledger.assign(f"{RUN}:0:3:1", "i1", 1.0, 0, 2) is None

@@ -210,8 +210,8 @@ def test_malformed_bus_messages_are_counted_and_dropped(
         for payload in garbage:
             await js.publish(names.chunk_subject("run-x", "i"), payload)
         await js.publish(names.chunk_subject("run-x", "i"),
-                         b'{"type":"TokenChunk","request_id":"no-colons","instance_id":"i",'
-                         b'"epoch":1,"weight_version":0,"offset":0,"token_ids":[1]}')
+                         b'{"type":"TokenFrame","instance_id":"i","entries":[{"request_id":'
+                         b'"no-colons","epoch":1,"weight_version":0,"offset":0,"token_ids":[1]}]}')
         await nc.close()
         return replies
 

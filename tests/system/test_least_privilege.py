@@ -33,7 +33,7 @@ from shared import names
 from shared.bus import split_credentials
 from shared.identity import new_user_seed
 from shared.names import Keys
-from shared.protocol import RunFailed, TokenChunk, chunk_mac, encode
+from shared.protocol import FrameEntry, RunFailed, TokenFrame, encode, entry_mac
 from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
@@ -158,14 +158,15 @@ async def forge(stack: Stack, store: redis.Redis, run_id: str) -> dict[str, int]
     rid, holder, epoch, version, n = live_lease(store, run_id)
     sent = {"forged": 0, "invalid": 0}
 
-    def chunk(instance_id: str, tokens: list[int], offset: int) -> TokenChunk:
-        return TokenChunk(request_id=rid, instance_id=instance_id, epoch=epoch,
-                          weight_version=version, offset=offset, token_ids=tokens)
+    def chunk(instance_id: str, tokens: list[int], offset: int) -> TokenFrame:
+        return TokenFrame(instance_id=instance_id, entries=[FrameEntry(
+            request_id=rid, epoch=epoch, weight_version=version, offset=offset,
+            token_ids=tokens)])
 
     # The intruder, on its own subject, in its own name and then in the holder's: no key.
     for name in ("intruder-3", holder):
         forged = chunk(name, [7, 7, 7, 7], n)
-        forged.mac = hashlib.sha256(f"{rid}|{epoch}".encode()).hexdigest()  # a guess
+        forged.entries[0].mac = hashlib.sha256(f"{rid}|{epoch}".encode()).hexdigest()  # a guess
         await intruder.jetstream().publish(names.chunk_subject(run_id, "intruder-3"),
                                            encode(forged), timeout=5)
         sent["forged"] += 1
@@ -179,7 +180,7 @@ async def forge(stack: Stack, store: redis.Redis, run_id: str) -> dict[str, int]
     key = hmac.new(secret, f"{rid}|{epoch}".encode(), hashlib.sha256).hexdigest()
     for tokens, offset in (([10**9, 5], n), ([-7], n), ([5], -3)):
         bad = chunk(holder, tokens, offset)
-        bad.mac = chunk_mac(key, bad)
+        bad.entries[0].mac = entry_mac(key, holder, bad.entries[0])
         await bus.jetstream().publish(names.chunk_subject(run_id, holder), encode(bad), timeout=5)
         sent["invalid"] += 1
     await intruder.close()
@@ -221,4 +222,4 @@ def test_a_rollout_credential_cannot_poison_a_run(locked: Stack, cluster: Cluste
     store.close()
     # Every drop was logged (and the run finishing shows the stream survived the JetStream calls).
     manager_log = (cluster.root / "logs" / "manager.log").read_text()
-    assert "forged chunk of" in manager_log and "invalid chunk of" in manager_log
+    assert "forged entry of" in manager_log and "invalid entry of" in manager_log
