@@ -207,7 +207,10 @@ class Hub:
         self._thread.start()
         self._next = 0
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 10.0) -> T:
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        # Every link of a test shares this one loop, and it shares two cores with a dozen
+        # services: at load 20+ (make chaos beside other work) a control call waited > 10 s
+        # for its turn, which is a slow test host, not a fault that failed to land.
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def link(self, name: str, ports: list[int]) -> Link:
