@@ -25,9 +25,7 @@ the test's cost down.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +38,7 @@ from transformers import Qwen2ForCausalLM
 
 from shared.algorithm import AlgorithmConfig
 from shared.protocol import RunSpec
+from tests.support.torchrun import run_job
 from trainer_svc import task
 from trainer_svc.model import tiny_config
 from trainer_svc.policies import Policy, TorchPolicy, distributed, make_policy
@@ -48,7 +47,6 @@ from trainer_svc.step_trainer import Group, RunShape
 
 LR = 1e-2
 ATOL = 1e-10
-REPO = Path(__file__).resolve().parents[2]
 
 SHAPE = RunShape(max_new_tokens=8, temperature=1.0, groups_per_step=5)
 CASES: dict[str, dict[str, Any]] = {
@@ -175,16 +173,8 @@ def one_thread() -> Iterator[None]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None, case: str) -> None:
     model_dir = _model_dir(tmp_path)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         __file__, str(tmp_path), case],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )
+    proc = run_job(__file__, str(tmp_path), case, timeout_s=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two_s = time.monotonic() - started
 

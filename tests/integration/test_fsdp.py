@@ -18,9 +18,7 @@ by ~1e-3). Zero padding passes add exact zeros.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 from rollout_svc.engines.torch_engine import TorchEngine
 from shared.algorithm import Algorithm, AlgorithmConfig
+from tests.support.torchrun import run_job
 from trainer_svc import task
 from trainer_svc.model import tiny_config
 from trainer_svc.policies import TorchPolicy, distributed
@@ -43,7 +42,6 @@ from trainer_svc.step_trainer import Group, RunShape
 
 LR = 1e-2
 ATOL = 1e-10
-REPO = Path(__file__).resolve().parents[2]
 SHAPE = RunShape(max_new_tokens=8, temperature=1.0, groups_per_step=5)
 EXACT = ShardingConfig(param_dtype=None, reduce_dtype=None)  # float64 throughout
 # Knobs that reach every path of the step: a KL term against the sharded reference and an
@@ -135,16 +133,8 @@ def _rank_main(root: Path) -> None:
 def sharded_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     root = tmp_path_factory.mktemp("fsdp")
     _model_dir(root)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         __file__, str(root)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_job(__file__, str(root))
     output = proc.stdout[-3000:] + proc.stderr[-3000:]
     if proc.returncode != 0:
         # Known and open: now and then a rank aborts ("terminate called without an active
