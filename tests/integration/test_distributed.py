@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -156,6 +157,9 @@ def _rank_main(root: Path, case: str) -> None:
             model = worker.model
     finally:
         distributed.shutdown()  # rank 0: sends Stop, which ends rank 1's worker_loop
+    # None of the module's threads may outlive leaving: one that ends during interpreter
+    # finalization can free the command group there and abort the process.
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dist-")]
     torch.save(model.state_dict(), root / f"rank{launch.rank}.pt")
 
 

@@ -64,6 +64,9 @@ log = logging.getLogger("trainer.dist")
 # a hung rank 0 is reported within minutes rather than waited on forever.
 COMMAND_TIMEOUT = timedelta(minutes=5)
 HEARTBEAT_S = 20.0
+# How long leaving waits for a thread of this module to end; one stuck in a collective with a
+# dead peer is left behind (the job is failing then anyway).
+JOIN_S = 10.0
 
 
 # --- commands: rank 0 -> every other rank --------------------------------------------------
@@ -162,8 +165,11 @@ class Channel:
         self._last_send = time.monotonic()
         self._closed = threading.Event()
         self._error: BaseException | None = None
+        self._beat: threading.Thread | None = None
         if self.rank == 0:
-            threading.Thread(target=self._heartbeat, name="dist-heartbeat", daemon=True).start()
+            self._beat = threading.Thread(target=self._heartbeat, name="dist-heartbeat",
+                                          daemon=True)
+            self._beat.start()
 
     def send(self, command: Command) -> None:
         if self.rank != 0:
@@ -186,14 +192,18 @@ class Channel:
         return command
 
     def close(self) -> None:
-        """Rank 0: tell the workers to leave (idempotent; a dead worker is not an error here)."""
-        if self.rank != 0 or self._closed.is_set():
+        """Rank 0: tell the workers to leave and end the heartbeat (idempotent; a dead worker
+        is not an error here)."""
+        if self.rank != 0:
             return
-        try:
-            self.send(Stop())
-        except Exception as exc:  # workers already gone, e.g. torchrun forwarded the SIGTERM
-            log.warning("could not stop the workers: %r", exc)
-            self._closed.set()
+        if not self._closed.is_set():
+            try:
+                self.send(Stop())
+            except Exception as exc:  # workers already gone, e.g. torchrun forwarded the SIGTERM
+                log.warning("could not stop the workers: %r", exc)
+                self._closed.set()
+        if self._beat is not None:
+            _join(self._beat)
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(HEARTBEAT_S / 4):
@@ -239,13 +249,28 @@ def channel() -> Channel | None:
 
 
 def shutdown() -> None:
-    """Stop the workers (rank 0) and leave the process group."""
+    """Stop the workers (rank 0) and leave the process group: every group, the command group
+    included, is shut down here, on the calling thread, while the interpreter is whole."""
     global _channel
     if _channel is not None:
         _channel.close()
-        _channel = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    _channel = None
+
+
+def _join(thread: threading.Thread) -> None:
+    """Wait for one of this module's threads before the process group goes.
+
+    A daemon thread that outlives the main one can hold the last reference to the channel
+    (a thread's target is a bound method or closure over it). The command group's Python
+    object is then freed on that thread during interpreter finalization; its destructor
+    releases the GIL, the thread cannot take it back from a finalizing interpreter and
+    exits through the C++ destructor, and the process aborts with "terminate called without
+    an active exception" (2 of 6 sharded test jobs here, both on rank 0)."""
+    thread.join(JOIN_S)
+    if thread.is_alive():
+        log.warning("%s did not end within %.0f s", thread.name, JOIN_S)
 
 
 # --- what every rank does identically --------------------------------------------------------
@@ -416,10 +441,13 @@ def worker_loop() -> Local | None:
             if isinstance(command, Stop):
                 return
 
-    threading.Thread(target=receive, name="dist-receive", daemon=True).start()
+    receiver = threading.Thread(target=receive, name="dist-receive", daemon=True)
+    receiver.start()
     policy: Local | None = None
     while True:
         item = inbox.get()
+        if isinstance(item, BaseException | Stop):
+            _join(receiver)  # it has returned, or is returning (_join)
         if isinstance(item, BaseException):
             raise DistributedError(f"lost rank 0: {item!r}") from item
         if isinstance(item, Stop):
