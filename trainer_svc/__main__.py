@@ -16,7 +16,8 @@ import torch
 from shared.config import TrainerConfig
 from shared.logs import setup_logging
 from shared.process import die_with_parent
-from trainer_svc.policies import distributed
+from shared.settings import reveal
+from trainer_svc.policies import WeightsAccess, distributed
 from trainer_svc.policies.fsdp import sharding_of
 from trainer_svc.service import TrainerService
 
@@ -43,7 +44,9 @@ def main() -> None:
     if launch is None or launch.world_size < 2:
         asyncio.run(_serve(cfg))
         return
-    distributed.init(launch, sharding_of(cfg))
+    # Every rank gets the weight service's address: a sharded version is uploaded by all.
+    distributed.init(launch, sharding_of(cfg),
+                     WeightsAccess(str(cfg.common.weights_url), reveal(cfg.common.weights_token)))
     try:
         if rank == 0:
             asyncio.run(_serve(cfg))

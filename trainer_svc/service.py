@@ -51,7 +51,7 @@ from shared.weights import upload_version
 from trainer_svc.dynamic_sampling import Close, Extend, GroupFilter
 from trainer_svc.errors import RunAborted
 from trainer_svc.manager_client import ManagerClient
-from trainer_svc.policies import Policy, make_policy
+from trainer_svc.policies import Policy, PublishesItself, WeightsAccess, make_policy
 from trainer_svc.saved import keep_saved
 from trainer_svc.step_feed import StepEvents, StepFeed
 from trainer_svc.step_trainer import Group
@@ -385,6 +385,11 @@ class TrainerService:
         run.version = report.new_version
 
     async def _publish(self, run: ActiveTraining, version: int) -> None:
+        if isinstance(run.policy, PublishesItself):  # sharded: every rank sends its own files
+            access = WeightsAccess(str(self.cfg.common.weights_url),
+                                   reveal(self.cfg.common.weights_token))
+            await run.policy.publish(access, run.run_id, version)
+            return
         await upload_version(self.cfg.common.weights_url, reveal(self.cfg.common.weights_token),
                              run.run_id, version, run.policy.checkpoints.hf_dir(version))
 

@@ -13,6 +13,9 @@ place of ``v<k>.pt``):
   reaches ``file_bytes``. A rank's memory for this is therefore bounded by ``file_bytes`` plus
   the largest single parameter, never the model. Rank 0 writes the index from every rank's
   list of names, the config and the tokenizer files.
+- Each rank's files are named ``model-r<rank>-<n>.safetensors``, so :func:`file_rank` tells
+  which rank wrote (and uploads, :mod:`trainer_svc.policies.publish`) a file of the directory;
+  the index, config and tokenizer files are rank 0's.
 - Every method here is collective (all ranks call it in the same order), and every directory is
   written under a temporary name that rank 0 renames once all ranks have written: a reader sees
   a complete version or none. Rank 0 decides what exists (the newest version, whether an HF
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,13 @@ from trainer_svc.checkpoint import BASE_FILES, KEEP, RunCheckpoints
 
 FILE_BYTES = 1 << 30  # a rank's largest safetensors file, hence its extra memory while saving
 INDEX = "model.safetensors.index.json"
+_RANK_FILE = re.compile(r"model-r(\d{5})-\d{5}\.safetensors")
+
+
+def file_rank(name: str) -> int:
+    """The rank that wrote the file ``name`` of a :func:`write_hf` directory (module doc)."""
+    match = _RANK_FILE.fullmatch(name)
+    return int(match.group(1)) if match else 0
 
 
 def _from_rank0(value: Any) -> Any:
@@ -82,7 +93,7 @@ def write_hf(model: torch.nn.Module, out: Path, base_dir: Path,
     def flush() -> None:
         nonlocal files, kept
         if kept:
-            name = f"model-r{rank:05d}-{files:05d}.safetensors"
+            name = f"model-r{rank:05d}-{files:05d}.safetensors"  # file_rank's pattern
             save_file(kept, str(out / name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(kept, name))
             files += 1

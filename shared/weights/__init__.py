@@ -8,7 +8,8 @@ One module per noun, in the order a pull uses them:
 
 - ``manifest``      the wire format both ends share: manifest types, name rules, checks
 - ``session``       the HTTP session every API call goes through, with its retry policy
-- ``client``        upload, wait for, pin and unpin a version; list its peers and a run's versions
+- ``client``        upload (whole or in parts), wait for, pin and unpin a version; list its
+                    peers and a run's versions
 - ``pull``          pulling one version: sources, worker threads, resume, publish
 - ``plan``          the chunk schedule of one pull (which chunk from which source, when)
 - ``partial``       a version being pulled: its directory and verified-chunk record
@@ -18,10 +19,14 @@ One module per noun, in the order a pull uses them:
 """
 
 from shared.weights.client import (
+    commit_version,
     list_peers,
     list_versions,
+    model_files,
     pin_version,
+    published,
     unpin_version,
+    upload_files,
     upload_version,
     wait_for_version,
 )
@@ -46,11 +51,15 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "PeerServer",
+    "commit_version",
     "list_peers",
     "list_versions",
+    "model_files",
     "pin_version",
+    "published",
     "pull_version",
     "unpin_version",
+    "upload_files",
     "upload_version",
     "valid_name",
     "valid_run_id",

@@ -5,6 +5,11 @@ Trainers and rollout instances import these through :mod:`shared.weights`. Contr
   whole in memory: the body is read 1 MiB at a time as the socket takes it), then commits; it
   returns the manifest. Idempotent: uploading a version that is already published with the same
   content returns its manifest; different content is an error.
+- Its three parts, for a directory that several processes upload in parallel (the ranks of a
+  sharded trainer, each sending the files it wrote): :func:`published` (the manifest when the
+  version is already there with this content), :func:`upload_files` (files only, into the
+  version's staging area, where uploads from any number of connections meet) and
+  :func:`commit_version` (one caller, once every part is in).
 - :func:`wait_for_version` polls until a version is published.
 - :func:`pin_version` / :func:`unpin_version`: a pinned version is never collected. The service
   already keeps the newest two (the step being rolled out and the one being published); a caller
@@ -38,7 +43,8 @@ _IO_BLOCK = 1 << 20
 # --- upload -----------------------------------------------------------------------------------
 
 
-def _model_files(model_dir: Path) -> list[Path]:
+def model_files(model_dir: Path) -> list[Path]:
+    """What uploading ``model_dir`` sends: its flat files in name order, dot-files left out."""
     if not model_dir.is_dir():
         raise WeightsError(f"{model_dir} is not a directory", retryable=False)
     files = []
@@ -79,29 +85,32 @@ async def _same_content(manifest: Manifest, files: list[Path]) -> bool:
     return True
 
 
-async def upload_version(
-    base_url: str,
-    token: str | None,
-    run_id: str,
-    version: int,
-    model_dir: Path,
-    timeout_s: float = 60,
-) -> Manifest:
-    """Upload and publish ``model_dir`` as (run_id, version); returns the manifest.
+async def published(base_url: str, token: str | None, run_id: str, version: int,
+                    files: list[Path], timeout_s: float = 60) -> Manifest | None:
+    """The manifest when (run_id, version) is published with exactly ``files``; None when it
+    is not published; a non-retryable WeightsError when it is, with other content."""
+    check_ids(run_id, version)
+    async with Session(base_url, token, timeout_s, max_attempts=5) as session:
+        existing = await session.manifest(run_id, version)
+    if existing is None:
+        return None
+    if await _same_content(existing, files):
+        return existing
+    raise WeightsError(f"{run_id}/{version} is already published with different content", False)
+
+
+async def upload_files(base_url: str, token: str | None, run_id: str, version: int,
+                       files: list[Path], timeout_s: float = 60) -> None:
+    """Stream ``files`` into the version's staging area; nothing is published until a commit.
 
     ``timeout_s`` bounds each network operation (connect, each read or write), not the whole
     upload: a multi-GB checkpoint may rightly take longer.
     """
     check_ids(run_id, version)
-    files = _model_files(model_dir)
+    for path in files:
+        if not path.is_file() or not valid_name(path.name):
+            raise WeightsError(f"{path}: only flat files with plain names can be uploaded", False)
     async with Session(base_url, token, timeout_s, max_attempts=5) as session:
-        existing = await session.manifest(run_id, version)
-        if existing is not None:
-            if await _same_content(existing, files):
-                return existing
-            raise WeightsError(
-                f"{run_id}/{version} is already published with different content", False
-            )
         for path in files:
             size = path.stat().st_size
             await session.send(
@@ -110,9 +119,33 @@ async def upload_version(
                 headers={"Content-Length": str(size)},
                 body=functools.partial(_file_body, path),
             )
+
+
+async def commit_version(base_url: str, token: str | None, run_id: str, version: int,
+                         timeout_s: float = 60) -> Manifest:
+    """Publish what is staged for (run_id, version), atomically; returns the manifest."""
+    check_ids(run_id, version)
+    async with Session(base_url, token, timeout_s, max_attempts=5) as session:
         resp = await session.send("POST", f"/v1/weights/{run_id}/{version}/commit")
-        manifest: Manifest = resp.json()
-        return manifest
+    manifest: Manifest = resp.json()
+    return manifest
+
+
+async def upload_version(
+    base_url: str,
+    token: str | None,
+    run_id: str,
+    version: int,
+    model_dir: Path,
+    timeout_s: float = 60,
+) -> Manifest:
+    """Upload and publish ``model_dir`` as (run_id, version); returns the manifest."""
+    files = model_files(model_dir)
+    existing = await published(base_url, token, run_id, version, files, timeout_s)
+    if existing is not None:
+        return existing
+    await upload_files(base_url, token, run_id, version, files, timeout_s)
+    return await commit_version(base_url, token, run_id, version, timeout_s)
 
 
 async def wait_for_version(

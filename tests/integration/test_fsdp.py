@@ -7,6 +7,12 @@ restore, reset, add_group, step, save) and rank 1 sits in ``worker_loop``. ``sav
 version's HF directory from the shards (each rank its own safetensors files) and a DCP
 checkpoint. The 1-rank reference is a plain :class:`TorchPolicy` in the test process.
 
+Publishing (GRPO's version 1) goes to a real weight service: each rank uploads the files it
+wrote, each through its own fault proxy, which rank 0 hosts. With rank 1's link cut the publish
+fails and nothing is committed; healed, one commit publishes every rank's files, rank 1's
+shards cross rank 1's link and rank 0's link carries less than the whole directory (rank 0
+sending everything, or rank 1 nothing, fails one of the two).
+
 Tolerance: float64, ``atol = 1e-10`` on every tensor, as for the replicated trainer. The only
 legitimate differences are the order of float64 additions (each rank's groups are summed into
 its gradient, the reduce-scatter adds the ranks' sums) and a sharded clip-norm summed per shard
@@ -17,10 +23,12 @@ by ~1e-3). Zero padding passes add exact zeros.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +39,17 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 from rollout_svc.engines.torch_engine import TorchEngine
 from shared.algorithm import Algorithm, AlgorithmConfig
+from shared.errors import WeightsError
+from shared.weights import model_files, published
+from tests.integration.test_weight_svc import ServiceProcess
+from tests.support.faultproxy import Hub, Link
 from tests.support.torchrun import run_job
 from trainer_svc import task
 from trainer_svc.model import tiny_config
-from trainer_svc.policies import TorchPolicy, distributed
+from trainer_svc.policies import EmuPolicy, PublishesItself, TorchPolicy, distributed
 from trainer_svc.policies.distributed import DistributedPolicy, Launch
 from trainer_svc.policies.fsdp import ShardedPolicy, ShardingConfig
+from trainer_svc.policies.publish import WeightsAccess
 from trainer_svc.sharded_checkpoint import INDEX
 from trainer_svc.step_trainer import Group, RunShape
 
@@ -52,6 +65,8 @@ EXTRA: dict[str, dict[str, Any]] = {
     "grpo": {"kl_coef": 0.05},
 }
 ALGORITHMS = [a.value for a in Algorithm]
+TOKEN = "trainer-token"
+RUN_ID = "fsdp-grpo"
 
 
 def _algorithm(name: str) -> AlgorithmConfig:
@@ -92,11 +107,46 @@ def _local_optimizer_state(policy: ShardedPolicy) -> list[torch.Tensor]:
     return out
 
 
-def _rank_main(root: Path) -> None:
+def _publish_through_a_cut(policy: DistributedPolicy, access: WeightsAccess,
+                           links: list[Link], out: Path) -> None:
+    """Rank 0: publish v1 with rank 1's link cut (must fail, commit nothing), then healed."""
+    files = model_files(policy.checkpoints.hf_dir(1))
+    link = links[1]
+    link.cut()
+    try:
+        asyncio.run(policy.publish(access, RUN_ID, 1))
+    except WeightsError as exc:
+        failed = str(exc)
+    else:
+        raise AssertionError("published with rank 1's link to the weight service cut")
+    assert asyncio.run(published(access.url, access.token, RUN_ID, 1, files)) is None
+    link.heal()
+    before = links[0].stats.bytes_forwarded
+    asyncio.run(policy.publish(access, RUN_ID, 1))
+    manifest = asyncio.run(published(access.url, access.token, RUN_ID, 1, files))  # same bytes
+    rank1 = sum(p.stat().st_size for p in files if "-r00001-" in p.name)
+    out.write_text(json.dumps({
+        "failed": failed, "manifest": manifest, "rank1_bytes": rank1, "link_bytes":
+        link.stats.bytes_forwarded, "rank0_bytes": links[0].stats.bytes_forwarded - before,
+        "total_bytes": sum(p.stat().st_size for p in files)}))
+
+
+def _link_url(url: str, rank: int) -> str:
+    """Rank ``rank``'s proxy: a fresh Hub's links are 127.77.0.1, .2, ... in order."""
+    return url.replace("127.0.0.1", f"127.77.0.{rank + 1}")
+
+
+def _rank_main(root: Path, url: str) -> None:
     torch.set_num_threads(1)
     launch = Launch.from_env()
     assert launch is not None and launch.world_size == 2
-    distributed.init(launch)
+    links: list[Link] = []
+    if launch.rank == 0:  # each rank reaches the weight service through its own proxy only
+        hub = Hub()
+        links = [hub.link(f"rank{r}-weights", [int(url.rsplit(":", 1)[1])]) for r in (0, 1)]
+        assert [link.url(url) for link in links] == [_link_url(url, r) for r in (0, 1)]
+    access = WeightsAccess(_link_url(url, launch.rank), TOKEN)
+    distributed.init(launch, weights=access)
     try:
         if launch.rank != 0:
             distributed.worker_loop()
@@ -113,6 +163,8 @@ def _rank_main(root: Path) -> None:
             stats = policy.step(0)
             policy.save(1)
             (root / name / "stats.json").write_text(json.dumps(stats))
+            if name == "grpo":
+                _publish_through_a_cut(policy, access, links, root / "publish.json")
         # Resume: a fresh sharded policy restores version 1, optimizer state bit for bit.
         assert isinstance(policy.local, ShardedPolicy)
         saved = _local_optimizer_state(policy.local)
@@ -130,14 +182,19 @@ def _rank_main(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def sharded_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+def sharded_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, float]]:
     root = tmp_path_factory.mktemp("fsdp")
     _model_dir(root)
+    service = ServiceProcess(tmp_path_factory.mktemp("weights"), token=TOKEN)
+    service.start()
     started = time.monotonic()
-    proc = run_job(__file__, str(root))
+    try:
+        proc = run_job(__file__, str(root), service.url)
+    finally:
+        service.stop()
     # Every rank must leave cleanly too: an abort at exit fails the job (and this test).
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return root, time.monotonic() - started
+    yield root, time.monotonic() - started
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -202,6 +259,27 @@ def test_published_version_loads_in_transformers_and_the_torch_engine(
     assert all(torch.equal(live[k], v) for k, v in expected.items())
 
 
+def test_each_rank_uploads_its_own_shards_and_one_commit_publishes(
+        sharded_job: tuple[Path, float]) -> None:
+    root, _ = sharded_job
+    record = json.loads((root / "publish.json").read_text())
+    assert "a rank could not upload its shards; nothing was committed" in record["failed"]
+    names = {f["name"] for f in record["manifest"]["files"]}
+    # Every file of the directory both ranks wrote, and (published() checked) the same bytes.
+    assert names == {p.name for p in model_files(root / "grpo" / "hf-1")}
+    assert any("-r00000-" in n for n in names) and any("-r00001-" in n for n in names)
+    assert record["link_bytes"] >= record["rank1_bytes"] > 0
+    assert record["rank0_bytes"] < record["total_bytes"] - record["rank1_bytes"] // 2
+
+
+def test_the_service_hands_publishing_to_a_multi_rank_policy_only() -> None:
+    # The service uploads hf_dir itself unless the policy PublishesItself: a single-process
+    # policy must not claim it, the multi-rank one must.
+    assert issubclass(DistributedPolicy, PublishesItself)
+    assert not issubclass(TorchPolicy, PublishesItself)
+    assert not issubclass(EmuPolicy, PublishesItself)
+
+
 def test_optimizer_state_resumes_exactly(sharded_job: tuple[Path, float]) -> None:
     root, _ = sharded_job
     # Written by rank 0 only after every local optimizer tensor compared equal bitwise.
@@ -209,4 +287,4 @@ def test_optimizer_state_resumes_exactly(sharded_job: tuple[Path, float]) -> Non
 
 
 if __name__ == "__main__":
-    _rank_main(Path(sys.argv[1]))
+    _rank_main(Path(sys.argv[1]), sys.argv[2])

@@ -3,7 +3,9 @@
 Contract: the service imports :func:`make_policy` and the :class:`Policy` interface from this
 package and drives whatever comes back the same way.
 
-* ``base`` -- the :class:`Policy` interface.
+* ``base`` -- the :class:`Policy` interface, and :class:`PublishesItself` for a policy
+  whose version files are spread over processes.
+* ``publish`` -- the ranks of a sharded trainer upload their own files of a version; one commit.
 * ``torch_policy`` -- :class:`TorchPolicy`: a real HF causal LM trained by torch with the
   run's algorithm (:class:`~trainer_svc.step_trainer.StepTrainer`).
 * ``distributed`` -- :class:`~trainer_svc.policies.distributed.DistributedPolicy`: rank 0 of a
@@ -22,9 +24,10 @@ from pathlib import Path
 from shared.protocol import RunSpec
 from trainer_svc.compute_model import PRESETS, ComputeModel
 from trainer_svc.model import build_tiny
-from trainer_svc.policies.base import Policy
+from trainer_svc.policies.base import Policy, PublishesItself
 from trainer_svc.policies.distributed import DistributedPolicy, channel
 from trainer_svc.policies.emu import EmuPolicy
+from trainer_svc.policies.publish import WeightsAccess
 from trainer_svc.policies.torch_policy import TorchPolicy
 from trainer_svc.step_trainer import RunShape
 from trainer_svc.tiny_chat import build_tiny_chat
@@ -34,7 +37,9 @@ __all__ = [
     "ComputeModel",
     "EmuPolicy",
     "Policy",
+    "PublishesItself",
     "TorchPolicy",
+    "WeightsAccess",
     "make_policy",
 ]
 

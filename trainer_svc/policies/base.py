@@ -9,9 +9,10 @@ the weight version the run resumes from (0 for a new run, after saving version 0
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from trainer_svc.checkpoint import RunCheckpoints
+from trainer_svc.policies.publish import WeightsAccess
 from trainer_svc.step_trainer import Group
 
 
@@ -26,3 +27,12 @@ class Policy(Protocol):
     def reset(self) -> None: ...
     def step(self, step_index: int) -> dict[str, Any]: ...
     def save(self, version: int) -> None: ...
+
+
+@runtime_checkable
+class PublishesItself(Protocol):
+    """A policy whose version is spread over processes (the ranks of a torchrun job): it
+    uploads and commits a saved version itself, instead of the service uploading
+    ``checkpoints.hf_dir(version)`` from its own process."""
+
+    async def publish(self, access: WeightsAccess, run_id: str, version: int) -> None: ...

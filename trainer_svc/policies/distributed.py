@@ -5,7 +5,8 @@ Contract:
 - Rank 0 runs the ordinary trainer service (NATS, REST, checkpoints, publishing). Its policy is
   a :class:`DistributedPolicy`, which has the same interface as
   :class:`~trainer_svc.policies.torch_policy.TorchPolicy`; the service cannot tell the two
-  apart. Ranks > 0 run :func:`worker_loop` and never touch the network beyond the process group.
+  apart. Ranks > 0 run :func:`worker_loop` and never touch the network beyond the process group,
+  except to upload their own files of a sharded version to the weight service.
 - Every call on rank 0's policy that changes training state is first broadcast as a command
   (the dataclasses below) on a dedicated gloo *command group*, so every rank sees one total
   order of commands. ``setup`` opens a run (the model directory is resolved by rank 0 first,
@@ -23,7 +24,8 @@ Contract:
   :class:`~trainer_svc.policies.fsdp.ShardedPolicy` instead: no rank holds the whole model,
   so every computing call is collective. Rank 0 then hands groups out in rounds of one per
   rank (``AddRound``: as soon as ``world`` groups have arrived, the last partial round at the
-  barrier) and every rank restores and saves (``Save``) its own shards.
+  barrier) and every rank restores and saves (``Save``) its own shards, and uploads the files
+  it wrote when rank 0 publishes the version (``Upload``, :mod:`~trainer_svc.policies.publish`).
 - Replicated data parallelism with one explicit all-reduce per optimizer step, on CPU (gloo)
   and CUDA (nccl) alike. DDP does not fit: it all-reduces inside every ``backward``, which
   needs every rank to run the same number of backwards, but here a group is backpropagated by
@@ -54,6 +56,12 @@ import torch.distributed as dist
 from shared.algorithm import AlgorithmConfig
 from trainer_svc.checkpoint import RunCheckpoints
 from trainer_svc.policies.fsdp import ShardedPolicy, ShardingConfig
+from trainer_svc.policies.publish import (
+    WeightsAccess,
+    publish_from_ranks,
+    publish_whole,
+    upload_share,
+)
 from trainer_svc.policies.torch_policy import TorchPolicy
 from trainer_svc.step_trainer import Group, RunShape
 
@@ -105,6 +113,12 @@ class Save:
 
 
 @dataclass(frozen=True, slots=True)
+class Upload:
+    run_id: str  # every rank uploads its own files of this version (sharded runs)
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reset:
     pass
 
@@ -124,7 +138,7 @@ class Stop:
     pass
 
 
-Command = Setup | Restore | AddGroup | AddRound | Reset | Step | Save | Ping | Stop
+Command = Setup | Restore | AddGroup | AddRound | Reset | Step | Save | Upload | Ping | Stop
 Local = TorchPolicy | ShardedPolicy  # what each rank holds
 
 
@@ -155,10 +169,12 @@ class Channel:
     """The command group and, on rank 0, the sender with its heartbeat thread."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device,
-                 sharding: ShardingConfig | None = None) -> None:
+                 sharding: ShardingConfig | None = None,
+                 weights: WeightsAccess | None = None) -> None:
         self.group = group
         self.device = device  # where this rank's model lives (cuda:<local rank> under nccl)
         self.sharding = sharding  # the job's default for torch runs (None: replicated)
+        self.weights = weights  # where ranks > 0 upload their shards of a version
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._lock = threading.Lock()  # one broadcast at a time: the service thread vs heartbeat
@@ -223,7 +239,8 @@ class Channel:
 _channel: Channel | None = None
 
 
-def init(launch: Launch, sharding: ShardingConfig | None = None) -> Channel:
+def init(launch: Launch, sharding: ShardingConfig | None = None,
+         weights: WeightsAccess | None = None) -> Channel:
     """Join the torchrun job: nccl on CUDA, gloo on CPU; a gloo command group on top."""
     global _channel
     if torch.cuda.is_available():
@@ -236,7 +253,7 @@ def init(launch: Launch, sharding: ShardingConfig | None = None) -> Channel:
     # Commands are pickled Python objects: they ride gloo on the CPU even beside nccl, and on
     # their own group so a worker's receiver thread never interleaves with gradient traffic.
     group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    _channel = Channel(group, device, sharding)
+    _channel = Channel(group, device, sharding, weights)
     log.info("rank %d of %d on %s", launch.rank, launch.world_size, device)
     return _channel
 
@@ -418,6 +435,15 @@ class DistributedPolicy:
             self.chan.send(Save(version))
         self.local.save(version)
 
+    async def publish(self, access: WeightsAccess, run_id: str, version: int) -> None:
+        """Upload and commit a saved version: from every rank when sharded, else from here."""
+        hf_dir = self.checkpoints.hf_dir(version)
+        if not isinstance(self.local, ShardedPolicy):
+            await publish_whole(access, run_id, version, hf_dir)
+            return
+        await publish_from_ranks(access, run_id, version, hf_dir, self.chan.device,
+                                 lambda: self.chan.send(Upload(run_id, version)))
+
 
 # --- ranks > 0 -----------------------------------------------------------------------------
 
@@ -475,6 +501,10 @@ def _apply(policy: Local, command: Command, rank: int) -> None:
                 policy.add_round(groups)
             case Save(version=version):
                 policy.save(version)
+            case Upload(run_id=run_id, version=version):
+                chan = channel()
+                upload_share(chan.weights if chan else None, run_id, version,
+                             policy.checkpoints.hf_dir(version), rank, policy.device)
             case Reset():
                 policy.reset()
             case Step(step_index=step_index):
