@@ -37,6 +37,7 @@ from manager_svc.placement import (
 )
 from manager_svc.registry import RELEASE_COMMIT_WAIT_S, Registry
 from manager_svc.runs import RunStore
+from manager_svc.seeding import SeedingState, retarget
 from manager_svc.soft_state import SoftState
 from shared import names
 from shared.config import ManagerConfig
@@ -153,6 +154,8 @@ class Dispatcher:
         ready = [i for i in everyone if i["state"] == "ready" and i["run_id"] == step.run_id
                  and i["weight_version"] == version]
         mode = info.get("mode", "off")
+        if mode == "adaptive" and time.time() < float(info.get("window_end", 0.0)):
+            await self._follow_capacity(step, everyone)
         if not self.cfg.midstep_join:
             started = float(info.get("started_at", 0.0))
             everyone, ready = joined_in_time(everyone, started), joined_in_time(ready, started)
@@ -162,6 +165,28 @@ class Dispatcher:
         if mode != "off" and not info.get("handoff_at"):
             await self._handoff(step, everyone, any_spot)
         return takers(ready, in_window=False, any_spot=any_spot)
+
+    async def _follow_capacity(self, step: ActiveStep, everyone: list[Instance]) -> None:
+        """An open adaptive window follows the spot count (:func:`manager_svc.seeding.retarget`,
+        counted as at the step's start: registered and not draining). The step's hash and
+        the controller's state are rewritten together; a manager killed between the two
+        finds the count still differing on its next pass and writes both again."""
+        count = sum(1 for i in everyone if i["kind"] == "spot" and i["state"] != "draining")
+        chosen = step.info.get("spot_count")
+        if chosen is None or int(chosen) == count:
+            return
+        state = SeedingState.load(await self.redis.hgetall(Keys.seeding(step.run_id)))
+        window = retarget(state, count)
+        started = float(step.info["started_at"])
+        moved: dict[str, str | int | float] = {"spot_count": count}
+        if window is not None:
+            moved.update(window_s=window, window_end=started + window)
+            state.window_s, state.spot_count = window, count
+            await self.redis.hset(Keys.seeding(step.run_id), mapping=state.dump())
+            log.info("step %d of %s: spot %s -> %d inside the seeding window; window %.1fs",
+                     step.step, step.run_id, chosen, count, window)
+        await self.redis.hset(Keys.step(step.run_id, step.step), mapping=moved)
+        step.info.update({k: str(v) for k, v in moved.items()})
 
     async def _handoff(self, step: ActiveStep, everyone: list[Instance],
                        spot_alive: bool) -> None:

@@ -97,6 +97,7 @@ class TrainerApi:
                 spec.samples_per_prompt, spec.max_new_tokens,
                 extra={"eos": msg.eos_token_id, "vocab": msg.vocab_size, "mode": mode,
                        "window_s": window, "dynamic": int(bool(spec.dynamic_sampling)),
+                       "spot_count": spot_alive,  # what the window was chosen for
                        # Seeding off and spot capacity present: the reserved side only trains.
                        "reserved_free": int(mode == "off" and spot_alive > 0)},
                 seeding=seeding.dump()))
@@ -227,6 +228,7 @@ class TrainerApi:
             "train_s": fin.train_s, "spot_ready_s": spot_first - started,
             "spot_busy_s": done - spot_first, "spot_count": len(spot),
             "publish_s": fin.publish_s,
+            "spot_joined": [float(i["joined_at"]) - started for i in spot],
         })
         await self.redis.hset(Keys.seeding(fin.run_id), mapping=state.dump())
 

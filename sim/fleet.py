@@ -33,6 +33,7 @@ class Fleet:
     on_ready: Callable[[Instance], None]  # an instance holds the current version
     on_notice: Callable[[Instance], None]  # an instance is leaving: take its work back
     seed: int = 0
+    on_change: Callable[[], None] | None = None  # the registered spot count may have moved
     instances: list[Instance] = field(default_factory=list)
     version: int = 0  # the newest published version
     _pulls: list[Pull] = field(default_factory=list)
@@ -73,6 +74,8 @@ class Fleet:
                 self.on_ready(inst)
             else:
                 self.clock.after(self.costs.spot_start_s, partial(self._booted, inst))
+        if self.on_change is not None:
+            self.on_change()
 
     def _booted(self, inst: Instance) -> None:
         if inst.state != "booting":
@@ -80,6 +83,8 @@ class Fleet:
         inst.state = "loading"
         inst.joined_at = self.clock.now  # registers now: mid-step joins count from here
         self._start_pull(inst)
+        if self.on_change is not None:
+            self.on_change()
 
     def _leave(self, inst: Instance) -> None:
         was = inst.state

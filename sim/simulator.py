@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 from manager_svc import placement
-from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
+from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe, retarget
 from rollout_svc.engines.emu_models import response_length
 from sim import engine
 from sim.config import Cluster, Costs, Policy, Workload
@@ -40,6 +40,7 @@ class Step:
     open_groups: list[int] = field(default_factory=list)  # responses left per prompt
     remaining: int = 0
     window_over: bool = False
+    window_serial: int = 0  # the pending window-end event carries it; a moved end is new
     reserved_free: bool = False
     barrier_at: float | None = None
     spot_first_at: float | None = None
@@ -65,7 +66,8 @@ class Simulator:
         self.workload, self.costs, self.cluster, self.policy = workload, costs, cluster, policy
         self.skew = rebalance_skew if policy.rebalance else 0
         self.clock = EventQueue()
-        self.fleet = Fleet(self.clock, costs, self._on_ready, self._on_notice, workload.seed)
+        self.fleet = Fleet(self.clock, costs, self._on_ready, self._on_notice, workload.seed,
+                           on_change=self._spot_changed)
         self.fleet.add_reserved(max(1, cluster.reserved_gpus // costs.serving.gpus))
         self.seeding = SeedingState(window_s=policy.window_s or initial_window_s)
         self.trainer = Trainer()
@@ -129,9 +131,26 @@ class Simulator:
         step.window_over = mode == "off"
         self.step = step
         if mode != "off":
-            self.clock.after(window, partial(self._window_end, step))
+            self.clock.after(window, partial(self._window_end, step, step.window_serial))
         self._dispatch()
         self._tick(step)
+
+    def _spot_changed(self) -> None:
+        """The registered spot count may have moved: an open adaptive window follows it, as
+        the manager's dispatcher does (:func:`manager_svc.seeding.retarget`)."""
+        step = self.step
+        if step is None or step.window_over or step.mode != "adaptive" \
+                or self.force_window is not None:
+            return
+        count = self._spot_count()
+        window = retarget(self.seeding, count)
+        if window is None:
+            return
+        self.seeding.window_s, self.seeding.spot_count = window, count
+        step.window = window
+        step.window_serial += 1
+        self.clock.after(max(0.0, step.started + window - self.clock.now),
+                         partial(self._window_end, step, step.window_serial))
 
     def _spot_count(self) -> int:
         return sum(1 for i in self._registered() if i["kind"] == "spot"
@@ -145,8 +164,8 @@ class Simulator:
             rows = placement.joined_in_time(rows, self.step.started)
         return rows
 
-    def _window_end(self, step: Step) -> None:
-        if step is not self.step or step.barrier_at is not None:
+    def _window_end(self, step: Step, serial: int) -> None:
+        if step is not self.step or step.barrier_at is not None or serial != step.window_serial:
             return
         step.window_over = True
         if not placement.spot_alive(self._registered()):
@@ -368,12 +387,14 @@ class Simulator:
             "train_tail_s": now - step.barrier_at - self.costs.publish_s
             - self.costs.compute.optimizer_step_s,
         }
-        spot_now = sum(1 for i in self._registered() if i["kind"] == "spot")
+        spot_rows = [i for i in self._registered() if i["kind"] == "spot"]
+        spot_now = len(spot_rows)
         observe(self.seeding, {
             "tokens": tokens, "tokens_reserved": step.tokens_reserved,
             "tokens_spot": step.tokens_spot, "window_s": window, "train_s": t.busy_s,
             "spot_ready_s": spot_first - step.started, "spot_busy_s": step.barrier_at - spot_first,
-            "spot_count": spot_now, "publish_s": self.costs.publish_s})
+            "spot_count": spot_now, "publish_s": self.costs.publish_s,
+            "spot_joined": [float(i["joined_at"]) - step.started for i in spot_rows]})
         self.records.append(record)
         self.trainer = Trainer()
         self.step = None

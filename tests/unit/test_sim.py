@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from functools import partial
+
+import pytest
 
 from manager_svc import placement
-from manager_svc.seeding import SeedingState, observe
+from manager_svc.seeding import SeedingState, next_window, observe, optimal_window, retarget
 from sim import ideal
 from sim.config import RESERVED_ONLY, RLBOOST, Cluster, Costs, Policy, Workload
 from sim.events import EventQueue
@@ -118,3 +122,66 @@ def test_seeding_measures_spot_rate_on_the_instances_that_did_the_work() -> None
     assert state.spot_rate_each == 800 / 10.0 / 5
     assert state.train_s_per_token == 20.0 / 1000
     assert state.reserved_rate == 100.0
+
+
+def _measured(spot_count: int = 8) -> SeedingState:
+    """A state after one step: 1,000 tokens, reserved 100 tok/s, spot 10 tok/s each."""
+    state = SeedingState(window_s=2.0, spot_count=spot_count)
+    observe(state, {"tokens": 1000, "tokens_reserved": 200, "tokens_spot": 800,
+                    "window_s": 2.0, "train_s": 12.0, "publish_s": 2.0, "spot_ready_s": 0.0,
+                    "spot_busy_s": 10.0, "spot_count": spot_count})
+    return state
+
+
+def test_seeding_counts_instances_for_the_part_of_the_step_they_were_there() -> None:
+    # 2 there throughout, 10 joined for the last fifth of the spot span: 4 did the work,
+    # not the 7 that the mean of the counts at both ends gives.
+    state = SeedingState(spot_count=2)
+    observe(state, {"tokens": 1000, "tokens_reserved": 200, "tokens_spot": 800,
+                    "window_s": 2.0, "train_s": 30.0, "spot_ready_s": 1.0, "spot_busy_s": 10.0,
+                    "spot_count": 12, "spot_joined": [-5.0, 0.5] + [9.0] * 10})
+    assert state.spot_rate_each == pytest.approx(800 / 10.0 / 4)
+
+
+def test_seeding_feedback_moves_the_window_against_what_the_step_showed() -> None:
+    # 2,000 tokens; window 10 s at 100 tok/s; 2 spot instances at 25 tok/s each until 20 s.
+    # The model's step towards balance is s/(s+r) = 1/3 of the imbalance, the feedback's half.
+    def after(train_s: float) -> SeedingState:
+        state = SeedingState(window_s=10.0, spot_count=2)
+        observe(state, {"tokens": 2000, "tokens_reserved": 1000, "tokens_spot": 1000,
+                        "window_s": 10.0, "train_s": train_s, "spot_ready_s": 0.0,
+                        "spot_busy_s": 20.0, "spot_count": 2})
+        return state
+
+    spot_late = after(4.0)  # spot ended 6 s after the reserved side: w* = 12, feedback 13
+    assert optimal_window(spot_late, 2) == pytest.approx(12.0)
+    assert next_window(spot_late, 2) == pytest.approx(13.0)
+    trainer_late = after(16.0)  # the reserved side ended 6 s after spot: w* = 8, feedback 7
+    assert optimal_window(trainer_late, 2) == pytest.approx(8.0)
+    assert next_window(trainer_late, 2) == pytest.approx(7.0)
+
+
+def test_seeding_window_follows_the_spot_count_within_a_step() -> None:
+    assert retarget(SeedingState(spot_count=8), 2) is None  # nothing measured: nothing to move
+    state = _measured()
+    assert retarget(state, 8) is None
+    fewer, more = retarget(state, 2), retarget(state, 16)
+    assert fewer is not None and more is not None
+    assert fewer > optimal_window(state, 8) > more
+
+
+def test_simulated_window_moves_when_capacity_drops_inside_it() -> None:
+    # 4 spot instances up when step 1 starts, 3 of them gone a quarter into its window: the
+    # window the step ran with is longer than the one it started with.
+    cluster = Cluster(reserved_gpus=2, spot_times=[0.0], spot_counts=[4])
+    sim = Simulator(WORK, COSTS, cluster, RLBOOST)
+    sim.manual = True
+    sim.start_trace()
+    sim.begin_step(0)
+    sim.clock.run_until(math.inf, lambda: len(sim.records) > 0)
+    sim.begin_step(1)
+    assert sim.step is not None and sim.step.window > 0
+    chosen = sim.step.window
+    sim.clock.after(chosen / 4, partial(sim.fleet.set_spot, 1))
+    sim.clock.run_until(math.inf, lambda: len(sim.records) > 1)
+    assert sim.records[1]["seeding_window_s"] > chosen
