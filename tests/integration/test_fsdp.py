@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 from rollout_svc.engines.torch_engine import TorchEngine
@@ -90,12 +91,26 @@ def _groups() -> list[Group]:
     return out
 
 
-def _model_dir(root: Path) -> Path:
-    out = root / "model"
+def _model_dir(root: Path, tied: bool = True) -> Path:
+    """The tiny model (tied embeddings, as small models have), or with its own output matrix:
+    then the embeddings are FSDP units of their own (trainer_svc.policies.fsdp.shard)."""
+    out = root / ("model" if tied else "model-untied")
     if not out.is_dir():
         torch.manual_seed(0)
-        Qwen2ForCausalLM(tiny_config()).save_pretrained(out, safe_serialization=True)
+        config = tiny_config()
+        config.tie_word_embeddings = tied
+        Qwen2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
     return out
+
+
+def _train_once(policy: DistributedPolicy) -> dict[str, Any]:
+    assert policy.restore() == 0
+    policy.reset()
+    for group in _groups():
+        policy.add_group(group)
+    stats = policy.step(0)
+    policy.save(1)
+    return stats
 
 
 def _local_optimizer_state(policy: ShardedPolicy) -> list[torch.Tensor]:
@@ -156,15 +171,22 @@ def _rank_main(root: Path, url: str) -> None:
             policy = DistributedPolicy.setup(model_dir, root / name, LR, 0, dtype=torch.float64,
                                              algorithm=_algorithm(name), shape=SHAPE,
                                              sharding=EXACT)
-            assert policy.restore() == 0
-            policy.reset()
-            for group in _groups():
-                policy.add_group(group)
-            stats = policy.step(0)
-            policy.save(1)
+            stats = _train_once(policy)
             (root / name / "stats.json").write_text(json.dumps(stats))
             if name == "grpo":
                 _publish_through_a_cut(policy, access, links, root / "publish.json")
+        untied = DistributedPolicy.setup(_model_dir(root, tied=False), root / "untied", LR, 0,
+                                         dtype=torch.float64, algorithm=_algorithm("grpo"),
+                                         shape=SHAPE, sharding=EXACT)
+        assert isinstance(untied.local, ShardedPolicy)
+        model = untied.local.model
+        # Untied, each embedding is an FSDP unit of its own; tied, the root holds the one matrix.
+        assert isinstance(model.get_input_embeddings(), FSDPModule)  # type: ignore[operator]
+        assert isinstance(model.get_output_embeddings(), FSDPModule)  # type: ignore[operator]
+        assert isinstance(policy.local, ShardedPolicy)
+        assert not isinstance(policy.local.model.get_output_embeddings(),  # type: ignore[operator]
+                              FSDPModule)
+        (root / "untied" / "stats.json").write_text(json.dumps(_train_once(untied)))
         # Resume: a fresh sharded policy restores version 1, optimizer state bit for bit.
         assert isinstance(policy.local, ShardedPolicy)
         saved = _local_optimizer_state(policy.local)
@@ -197,14 +219,17 @@ def sharded_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
     yield root, time.monotonic() - started
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
+@pytest.mark.parametrize("name", [*ALGORITHMS, "untied"])
 def test_two_sharded_ranks_equal_one_rank(sharded_job: tuple[Path, float], name: str) -> None:
+    """Every algorithm on the tied model; GRPO on the untied one ("untied")."""
     root, job_s = sharded_job
+    model_dir = _model_dir(root, tied=name != "untied")
+    algorithm = _algorithm("grpo" if name == "untied" else name)
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: a CPU matmul's summation order may depend on it
     try:
-        ref = TorchPolicy(root / "model", root / f"ref-{name}", LR, 0, dtype=torch.float64,
-                          algorithm=_algorithm(name), shape=SHAPE)
+        ref = TorchPolicy(model_dir, root / f"ref-{name}", LR, 0, dtype=torch.float64,
+                          algorithm=algorithm, shape=SHAPE)
         assert ref.restore() == 0
         ref.reset()
         for group in _groups():
@@ -212,7 +237,9 @@ def test_two_sharded_ranks_equal_one_rank(sharded_job: tuple[Path, float], name:
         want_stats = ref.step(0)
     finally:
         torch.set_num_threads(before)
-    want = {k: v for k, v in ref.model.state_dict().items() if k != "lm_head.weight"}
+    # Tied, lm_head.weight is the embedding under a second name: HF saves it once.
+    want = {k: v for k, v in ref.model.state_dict().items()
+            if k != "lm_head.weight" or name == "untied"}
     published = root / name / "hf-1"
     index = json.loads((published / INDEX).read_text())
     files = set(index["weight_map"].values())
@@ -221,7 +248,7 @@ def test_two_sharded_ranks_equal_one_rank(sharded_job: tuple[Path, float], name:
     for f in files:
         got.update(load_file(str(published / f)))
     assert set(got) == set(want)
-    init = Qwen2ForCausalLM.from_pretrained(root / "model", dtype=torch.float64).state_dict()
+    init = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float64).state_dict()
     worst = moved = 0.0
     for key, tensor in want.items():
         assert got[key].dtype == torch.float64

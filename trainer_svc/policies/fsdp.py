@@ -3,10 +3,16 @@
 Contract:
 
 - :func:`shard` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer (the
-  classes HF names in ``_no_split_modules``) and then to the root, so a rank holds 1/world of
-  each parameter, of its gradient and of AdamW's moments (DTensors sharded on dim 0). A layer's
-  full parameters exist only while it runs: its forward all-gathers them and frees them after,
-  its backward all-gathers them again and reduce-scatters the gradient.
+  classes HF names in ``_no_split_modules``), to the input and the output embedding when they
+  are two tensors, and then to the root, so a rank holds 1/world of each parameter, of its
+  gradient and of AdamW's moments (DTensors sharded on dim 0). A unit's full parameters exist
+  only while it runs: its forward all-gathers them and frees them after, its backward
+  all-gathers them again and reduce-scatters the gradient. Embeddings are units of their own
+  because the root's parameters stay gathered from the start of the forward to its end, and
+  in backward from the first gradient to the last, with their full gradient: an untied
+  vocabulary-sized matrix left in the root is held whole, twice, for most of the step (the
+  largest models, where sharding matters, do not tie: Qwen2.5-7B and up). Tied embeddings are
+  one parameter used at both ends and stay in the root.
 - Gradients are *summed* over the ranks (FSDP2 averages by default): the step trainer divides
   by the step's token denominator itself, exactly as in one process.
 - Mixed precision is FSDP2's :class:`MixedPrecisionPolicy`: the parameters stay in the model's
@@ -95,8 +101,14 @@ def shard(model: torch.nn.Module, cfg: ShardingConfig, device: torch.device) -> 
     # the host); on a CPU-only rank everything is in host memory already.
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=device.type == "cuda")
                               if cfg.offload_optimizer else OffloadPolicy())
-    for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
+    units = decoder_layers(model)
+    inputs = model.get_input_embeddings()  # type: ignore[operator]
+    outputs = model.get_output_embeddings()  # type: ignore[operator]
+    if isinstance(inputs, torch.nn.Module) and isinstance(outputs, torch.nn.Module) \
+            and not _shares_parameters(inputs, outputs):
+        units += [inputs, outputs]  # untied: each its own unit (module doc)
+    for unit in units:
+        fully_shard(unit, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
     # The root too: FSDP2 keeps the root's parameters gathered after a forward by default, and
     # after a forward without backward (scoring) they would stay gathered across the next
     # optimizer step, so the forward after it would compute with the old weights.
@@ -107,6 +119,10 @@ def shard(model: torch.nn.Module, cfg: ShardingConfig, device: torch.device) -> 
             # A plain SUM in the collective: for fp32/bf16 FSDP2 would otherwise ask for
             # PREMUL_SUM, which gloo does not have.
             m.set_force_sum_reduction_for_comms(True)
+
+
+def _shares_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return bool({id(p) for p in a.parameters()} & {id(p) for p in b.parameters()})
 
 
 class ShardedPolicy:
