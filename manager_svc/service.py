@@ -130,7 +130,8 @@ class ManagerService:
         self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key, crash)
         self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft, self.events,
                                  crash)
-        self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth)
+        self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth,
+                                  ack_wait_s=cfg.lease_ttl_s)
         self.dispatcher = Dispatcher(cfg, redis, nc, self.ledger, self.runs, self.registry,
                                      self.ingest, metrics, soft, crash)
         self.trainer = TrainerApi(redis, self.ledger, self.runs, self.registry, metrics, soft)
