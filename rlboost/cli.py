@@ -98,7 +98,8 @@ class Progress:
 def cmd_up(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     root = Path(args.root).resolve()
-    cluster = Cluster(root, spot=args.spot, reserved=args.reserved, engine=args.engine)
+    cluster = Cluster(root, spot=args.spot, reserved=args.reserved, engine=args.engine,
+                      trainer_ranks=args.trainer_ranks)
     print(f"rlboost: starting the embedded stack under {root} (logs in {root / 'logs'})",
           flush=True)
     try:
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--spot", type=int, default=2)
     up.add_argument("--reserved", type=int, default=1)
     up.add_argument("--engine", default="torch", choices=["torch", "emu"])
+    up.add_argument("--trainer-ranks", type=int, default=1,
+                    help="trainer processes under torchrun (RLBOOST_TRAINER_SHARDING picks "
+                    "replicate or fsdp2); a dead rank restarts the group from its checkpoint")
     up.add_argument("--spec", help="run spec file (YAML or JSON)")
     up.add_argument("--set", action="append", metavar="KEY=VALUE", help="one run spec field")
     up.add_argument("--root", default=".rlboost")

@@ -74,6 +74,10 @@ class Cluster:
     spot: int = 2
     reserved: int = 1
     engine: str = "torch"
+    # The trainer as a torchrun group of this many ranks (1: one plain process), started again
+    # by torchrun up to trainer_restarts times when a rank dies (trainer_svc.torchrun).
+    trainer_ranks: int = 1
+    trainer_restarts: int = 3
     extra_env: dict[str, str] = field(default_factory=dict)
     base_env: dict[str, str] | None = None  # default: the RLBOOST_* variables of this process
     stack: Stack | None = None
@@ -109,7 +113,11 @@ class Cluster:
         self._spawn("manager", [py, "-m", "manager_svc"], self.role_env.get("manager", {}), logs)
         self.wait_http(env["RLBOOST_MANAGER_URL"])
         self.wait_http(env["RLBOOST_WEIGHTS_URL"])
-        self._spawn("trainer", [py, "-m", "trainer_svc"], self.role_env.get("trainer", {}), logs)
+        trainer = [py, "-m", "trainer_svc"]
+        if self.trainer_ranks > 1:
+            trainer = [py, "-m", "trainer_svc.torchrun", str(self.trainer_ranks),
+                       str(self.trainer_restarts)]
+        self._spawn("trainer", trainer, self.role_env.get("trainer", {}), logs)
         for kind, count in (("reserved", self.reserved), ("spot", self.spot)):
             for i in range(count):
                 self.add_instance(kind, f"{kind}-{i}")

@@ -4,11 +4,13 @@ Under ``torchrun --nproc-per-node N -m trainer_svc`` rank 0 is this same service
 spreads the work, see :mod:`trainer_svc.policies.distributed`) and ranks > 0 serve rank 0's
 commands. When rank 0 stops (SIGTERM, SIGINT) it sends the workers Stop before leaving the
 group; when torchrun itself is signalled it signals every rank, and a worker simply exits.
+A rank that finds the group broken (a peer died) exits with status 1, so torchrun restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 
 import torch
@@ -17,9 +19,12 @@ from shared.config import TrainerConfig
 from shared.logs import setup_logging
 from shared.process import die_with_parent
 from shared.settings import reveal
+from trainer_svc.errors import group_lost
 from trainer_svc.policies import WeightsAccess, distributed
 from trainer_svc.policies.fsdp import sharding_of
 from trainer_svc.service import TrainerService
+
+log = logging.getLogger("trainer")
 
 
 async def _serve(cfg: TrainerConfig) -> None:
@@ -52,6 +57,12 @@ def main() -> None:
             asyncio.run(_serve(cfg))
         else:
             distributed.worker_loop()
+    except Exception as exc:
+        if group_lost(exc) is None:
+            raise
+        # One line, not a traceback: torchrun (trainer_svc.torchrun) restarts the group.
+        log.error("rank %d leaves the group: %s", rank, group_lost(exc))
+        raise SystemExit(1) from None
     finally:
         distributed.shutdown()
 

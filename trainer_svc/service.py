@@ -49,7 +49,7 @@ from shared.protocol import (
 from shared.settings import reveal
 from shared.weights import upload_version
 from trainer_svc.dynamic_sampling import Close, Extend, GroupFilter
-from trainer_svc.errors import RunAborted
+from trainer_svc.errors import GroupLost, RunAborted
 from trainer_svc.manager_client import ManagerClient
 from trainer_svc.policies import Policy, PublishesItself, WeightsAccess, make_policy
 from trainer_svc.saved import keep_saved
@@ -189,6 +189,8 @@ class TrainerService:
         except RunAborted as exc:
             log.warning("run %s: %s", work.run_id, exc)
             await self._leave_run(finished=False)
+        except GroupLost:
+            raise  # not the run's fault: this process ends and torchrun restarts the group
         except RlboostError as exc:
             if not exc.retryable:
                 await self._fail(work.run_id, exc)

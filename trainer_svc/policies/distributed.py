@@ -33,18 +33,22 @@ Contract:
   Sharding (above) is for models whose weights and AdamW state do not fit one device.
 - The data directory must be shared by the ranks (one node, or a shared file system).
 
-Failure: a rank that dies takes the torchrun job down (torchrun's own rule); the restarted
-trainer resumes from rank 0's last checkpoint like any restarted trainer.
+Failure: a rank that dies takes the torchrun job down (torchrun's own rule). On rank 0 the
+collective that lost its peer raises :class:`~trainer_svc.errors.GroupLost` rather than an
+error that would fail the run; the service exits, torchrun starts the group again
+(:mod:`trainer_svc.torchrun`) and the new rank 0 resumes from the last checkpoint like any
+restarted trainer. A worker that loses rank 0 raises and exits the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,9 +56,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from shared.algorithm import AlgorithmConfig
 from trainer_svc.checkpoint import RunCheckpoints
+from trainer_svc.errors import group_lost
 from trainer_svc.policies.fsdp import ShardedPolicy, ShardingConfig
 from trainer_svc.policies.publish import (
     WeightsAccess,
@@ -243,19 +249,40 @@ def init(launch: Launch, sharding: ShardingConfig | None = None,
          weights: WeightsAccess | None = None) -> Channel:
     """Join the torchrun job: nccl on CUDA, gloo on CPU; a gloo command group on top."""
     global _channel
-    if torch.cuda.is_available():
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
         device = torch.device("cuda", launch.local_rank)
-        dist.init_process_group("nccl")
+    store = _attempt_store(launch)
+    if store is None:
+        dist.init_process_group(backend)
     else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend, store=store, rank=launch.rank,
+                                world_size=launch.world_size)
     # Commands are pickled Python objects: they ride gloo on the CPU even beside nccl, and on
     # their own group so a worker's receiver thread never interleaves with gradient traffic.
     group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     _channel = Channel(group, device, sharding, weights)
     log.info("rank %d of %d on %s", launch.rank, launch.world_size, device)
     return _channel
+
+
+def _attempt_store(launch: Launch) -> Store | None:
+    """torchrun's store with this attempt's own key space; None: not under torchrun's agent.
+
+    The agent keeps one store for every restart of the group, and the ranks of a restarted
+    group read their peers' gloo addresses from it: without a prefix per attempt a new rank
+    can read a dead one's address, fail to connect ("Gloo connectFullMesh failed ...
+    Connection refused") and cost the job one of its restarts (seen here on the first restart
+    after a rank was SIGKILLed)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), launch.world_size,
+                          is_master=False, timeout=COMMAND_TIMEOUT)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"rlboost/attempt-{attempt}/", store)
 
 
 def channel() -> Channel | None:
@@ -363,6 +390,18 @@ def all_reduce_grads(params: list[torch.nn.Parameter], sums: torch.Tensor) -> to
 
 # --- rank 0 --------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _on_group() -> Iterator[None]:
+    """Around rank 0's calls that need every rank: a lost peer surfaces as GroupLost."""
+    try:
+        yield
+    except Exception as exc:
+        lost = group_lost(exc)
+        if lost is None or lost is exc:
+            raise
+        raise lost from exc
+
+
 class DistributedPolicy:
     """Rank 0's policy: broadcasts each training command, then does its own share."""
 
@@ -376,6 +415,7 @@ class DistributedPolicy:
         self._round: list[Group] = []  # sharded: groups waiting for a full round
 
     @classmethod
+    @_on_group()
     def setup(cls, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
               dtype: torch.dtype = torch.float32, *, algorithm: AlgorithmConfig | None = None,
               shape: RunShape | None = None,
@@ -389,6 +429,7 @@ class DistributedPolicy:
         chan.send(cmd)
         return cls(_build(cmd, chan.device), chan)
 
+    @_on_group()
     def restore(self) -> int:
         self.chan.send(Restore())
         if isinstance(self.local, ShardedPolicy):
@@ -398,6 +439,7 @@ class DistributedPolicy:
     def reward(self, prompt: list[int], response: list[int]) -> float:
         return self.local.reward(prompt, response)
 
+    @_on_group()
     def add_group(self, group: Group) -> None:
         if isinstance(self.local, ShardedPolicy):
             self._round.append(group)
@@ -417,11 +459,13 @@ class DistributedPolicy:
         self.chan.send(AddRound(groups))
         local.add_round(groups)
 
+    @_on_group()
     def reset(self) -> None:
         self._round = []
         self.chan.send(Reset())
         self.local.reset()
 
+    @_on_group()
     def step(self, step_index: int) -> dict[str, Any]:
         if isinstance(self.local, ShardedPolicy) and self._round:
             self._flush(self.local)
@@ -430,6 +474,7 @@ class DistributedPolicy:
         stats["peak_memory_bytes"] = _max_over_ranks(stats["peak_memory_bytes"], self.chan.device)
         return stats
 
+    @_on_group()
     def save(self, version: int) -> None:
         if isinstance(self.local, ShardedPolicy):
             self.chan.send(Save(version))
@@ -441,8 +486,9 @@ class DistributedPolicy:
         if not isinstance(self.local, ShardedPolicy):
             await publish_whole(access, run_id, version, hf_dir)
             return
-        await publish_from_ranks(access, run_id, version, hf_dir, self.chan.device,
-                                 lambda: self.chan.send(Upload(run_id, version)))
+        with _on_group():
+            await publish_from_ranks(access, run_id, version, hf_dir, self.chan.device,
+                                     lambda: self.chan.send(Upload(run_id, version)))
 
 
 # --- ranks > 0 -----------------------------------------------------------------------------
