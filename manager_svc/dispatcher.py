@@ -33,6 +33,7 @@ from manager_svc.placement import (
     least_advanced,
     rebalance_move,
     spot_alive,
+    spot_count,
     takers,
 )
 from manager_svc.registry import RELEASE_COMMIT_WAIT_S, Registry
@@ -171,7 +172,7 @@ class Dispatcher:
         counted as at the step's start: registered and not draining). The step's hash and
         the controller's state are rewritten together; a manager killed between the two
         finds the count still differing on its next pass and writes both again."""
-        count = sum(1 for i in everyone if i["kind"] == "spot" and i["state"] != "draining")
+        count = spot_count(everyone)
         chosen = step.info.get("spot_count")
         if chosen is None or int(chosen) == count:
             return

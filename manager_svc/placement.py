@@ -26,8 +26,15 @@ def joined_in_time(everyone: Sequence[Instance], started_at: float) -> list[Inst
     return [i for i in everyone if i["kind"] == "reserved" or i["joined_at"] <= started_at]
 
 
+def spot_count(everyone: Sequence[Mapping[str, Any]]) -> int:
+    """The spot capacity a step plans for: spot instances registered and not draining (one
+    that got its preemption notice is leaving). The seeding window is chosen, and followed
+    mid-window, on this count, by the manager and the simulator alike."""
+    return sum(1 for i in everyone if i["kind"] == "spot" and i["state"] != "draining")
+
+
 def spot_alive(everyone: Sequence[Mapping[str, Any]]) -> bool:
-    return any(i["kind"] == "spot" and i["state"] != "draining" for i in everyone)
+    return spot_count(everyone) > 0
 
 
 def takers(ready: Sequence[Instance], in_window: bool, any_spot: bool) -> list[Instance]:

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from manager_svc.accounting import Ledger
 from manager_svc.metrics import ManagerMetrics
+from manager_svc.placement import spot_count
 from manager_svc.registry import Registry
 from manager_svc.runs import LIVE_COUNTERS, RunStore
 from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
@@ -83,8 +84,7 @@ class TrainerApi:
             return Ack(ok=False, detail="prompt count differs from prompts_per_step")
         seeding = await self._seeding(msg.run_id)
         mode = spec.seeding.mode
-        spot_alive = sum(1 for i in await self.registry.instances()
-                         if i["kind"] == "spot" and i["state"] != "draining")
+        spot_alive = spot_count(await self.registry.instances())
         if mode == "adaptive":
             window = next_window(seeding, spot_alive)
         else:

@@ -108,7 +108,7 @@ class Simulator:
 
     def _start_step(self, index: int) -> None:
         w = self.workload
-        spot_alive = self._spot_count()
+        spot_alive = placement.spot_count(self._registered())
         mode = self.policy.seeding if self.policy.spot else "off"
         if self.force_window is not None and mode != "off":
             window = self.force_window
@@ -142,7 +142,7 @@ class Simulator:
         if step is None or step.window_over or step.mode != "adaptive" \
                 or self.force_window is not None:
             return
-        count = self._spot_count()
+        count = placement.spot_count(self._registered())
         window = retarget(self.seeding, count)
         if window is None:
             return
@@ -151,10 +151,6 @@ class Simulator:
         step.window_serial += 1
         self.clock.after(max(0.0, step.started + window - self.clock.now),
                          partial(self._window_end, step, step.window_serial))
-
-    def _spot_count(self) -> int:
-        return sum(1 for i in self._registered() if i["kind"] == "spot"
-                   and i["state"] != "draining")
 
     def _registered(self) -> list[dict[str, Any]]:
         """The registry's view: instances that started their engine and have not left."""
