@@ -58,6 +58,17 @@ PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUM
 VOCAB_CACHE = 64  # steps whose vocabulary size is remembered
 
 
+async def bind_consumer(js: JetStreamContext, ack_wait_s: float) -> None:
+    """Create the managers' shared durable chunk consumer, or bring an existing one to this
+    configuration. A plain bind kept whatever an older manager created: a stream that outlived
+    an upgrade kept its 30 s ack_wait, and with it the 20 s ingest stalls after a manager
+    SIGKILL that the lease-long ack_wait removed. ack_wait and max_ack_pending are editable in
+    place; the server answers an identical configuration with the consumer as it is."""
+    await js.add_consumer(names.CHUNK_STREAM, ConsumerConfig(
+        durable_name=names.CHUNK_CONSUMER, filter_subject=names.CHUNK_WILDCARD,
+        ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, max_ack_pending=65536))
+
+
 class ChunkIngest:
     def __init__(self, redis: aioredis.Redis, nc: Nats, ledger: Ledger, runs: RunStore,
                  metrics: ManagerMetrics, soft: SoftState, auth: ChunkAuth,
@@ -81,10 +92,7 @@ class ChunkIngest:
     async def consume(self) -> None:
         """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered
         into a callback subscription: nats-py's ``fetch`` costs two tasks per message."""
-        await self.nc.jetstream().pull_subscribe(  # creates (or binds to) the durable consumer
-            names.CHUNK_WILDCARD, durable=names.CHUNK_CONSUMER, stream=names.CHUNK_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s,
-                                  max_ack_pending=65536))
+        await bind_consumer(self.nc.jetstream(), self.ack_wait_s)
         inbox, arrived, batch = self.nc.new_inbox(), asyncio.Event(), list[NatsMsg]()
         due = [0, 0.0]  # messages the outstanding request may still bring, and its expiry
 
