@@ -19,10 +19,15 @@ nothing about NATS; it's purely token id sequences.
   (``"length"``).
 * Time: each ``step()`` sleeps ``time_scale * (decode_s_base + decode_s_per_seq * batch)`` plus
   the prefill of requests that joined in it (continuous batching: they join at any step).
+* Host time: what a busy engine's steps take beyond those sleeps (its service's loop, and
+  waiting for a core when many processes share few) is measured and logged every
+  ``HOST_LOG_STEPS`` busy steps, in emulated ms (:class:`HostMeter`): how far the emulation
+  runs behind its own model (``make bench-sim-check`` prints it beside the simulator's fit).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -40,6 +45,8 @@ from rollout_svc.engines.base import (
 from rollout_svc.engines.emu_models import response_length
 from shared.protocol import FinishReason
 from shared.sampling import uniform
+
+log = logging.getLogger("rollout.emu")
 
 _FIRST_TOKEN = 3  # ids below this are reserved (pad/bos/eos in most vocabularies)
 
@@ -68,6 +75,45 @@ LOAD_S = 4.0
 # default fraction, the long tail that makes rollout stragglers (RLBoost section 2).
 MEAN_LEN_FRAC = 0.25
 LEN_SIGMA = 1.0
+
+
+HOST_LOG_STEPS = 200
+
+
+@dataclass(slots=True)
+class HostMeter:
+    """Wall time between the starts of two steps of one busy stretch, less the first one's
+    modelled sleep, summed. A stretch ends when a step leaves no batch (the service stops
+    stepping until work comes: that wait, a whole training phase, is not host time); each
+    stretch is logged as it ends, and a long one every ``HOST_LOG_STEPS`` steps."""
+
+    time_scale: float
+    host_s: float = 0.0  # wall seconds since the last log line
+    steps: int = 0
+    _last: float | None = None  # start of the previous busy step
+    _slept: float = 0.0  # its modelled sleep, wall seconds
+
+    def begin(self, now: float) -> None:
+        if self._last is not None and self._slept > 0:
+            self.host_s += max(0.0, now - self._last - self._slept)
+            self.steps += 1
+            if self.steps >= HOST_LOG_STEPS:
+                self._log()
+        self._last, self._slept = now, 0.0
+
+    def slept(self, seconds: float) -> None:
+        self._slept += seconds
+
+    def idle(self) -> None:
+        """The batch ran empty: the busy stretch is over."""
+        self._last, self._slept = None, 0.0
+        self._log()
+
+    def _log(self) -> None:
+        if self.steps and self.time_scale > 0:
+            log.info("emu host time %.3f ms per decode step over %d steps",
+                     1e3 * self.host_s / self.steps / self.time_scale, self.steps)
+        self.host_s, self.steps = 0.0, 0
 
 
 @dataclass(slots=True)
@@ -110,6 +156,7 @@ class EmuEngine:
         self._queue: deque[GenRequest] = deque()  # waiting for a free batch slot
         self._active: dict[str, _Active] = {}
         self._stepping = threading.Lock()
+        self.host = HostMeter(time_scale)
 
     # -- the pure functions (the oracle) ------------------------------------------------------
 
@@ -167,7 +214,10 @@ class EmuEngine:
         self._inbox.abort(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._active) or bool(self._queue) or bool(self._inbox.pending_ids())
+        busy = bool(self._active) or bool(self._queue) or bool(self._inbox.pending_ids())
+        if not busy:
+            self.host.idle()  # the service waits for work now: not host time
+        return busy
 
     def drain(self) -> list[str]:
         with self._stepping:
@@ -175,10 +225,12 @@ class EmuEngine:
             ids += self._inbox.clear()
             self._active.clear()
             self._queue.clear()
+            self.host.idle()
         return ids
 
     def step(self) -> list[TokenEvent]:
         with self._stepping:
+            self.host.begin(time.monotonic())
             events: list[TokenEvent] = []
             pending, aborted = self._inbox.take()
             for request_id in aborted:
@@ -198,11 +250,10 @@ class EmuEngine:
                     req, len(req.committed_token_ids), self.natural_length(req)
                 )
             if self._active:
-                self._sleep(
-                    self.prefill_s_per_token * prefill_tokens
-                    + self.decode_s_base
-                    + self.decode_s_per_seq * len(self._active)
-                )
+                modelled = (self.prefill_s_per_token * prefill_tokens + self.decode_s_base
+                            + self.decode_s_per_seq * len(self._active))
+                self._sleep(modelled)
+                self.host.slept(self.time_scale * modelled)
             for request_id, act in list(self._active.items()):
                 event = self.event_at(act.req, act.position, act.length)
                 events.append(event)
@@ -210,6 +261,8 @@ class EmuEngine:
                 if event.finished:
                     del self._active[request_id]
             late = self._inbox.late_aborts()
+            if not self._active:
+                self.host.idle()
         return [e for e in events if e.request_id not in late]
 
     def _sleep(self, seconds: float) -> None:

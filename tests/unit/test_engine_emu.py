@@ -171,3 +171,35 @@ def test_create_engine_builds_emu() -> None:
     engine = create_engine("emu", time_scale=0.0, load_s=0.0)
     engine.load(None, "run", 7)
     assert engine.name == "emu" and engine.loaded == ("run", 7)
+
+
+def test_host_meter_counts_busy_steps_beyond_their_sleep(caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    from rollout_svc.engines.emu import HOST_LOG_STEPS, HostMeter
+
+    meter = HostMeter(time_scale=2.0)
+    meter.begin(100.0)
+    meter.slept(0.050)  # a busy step: 50 ms of modelled sleep (wall)
+    meter.begin(100.060)  # started 60 ms later: 10 ms of host time
+    assert meter.steps == 1 and meter.host_s == pytest.approx(0.010)
+    with caplog.at_level("INFO", logger="rollout.emu"):
+        meter.idle()  # the batch ran empty: the stretch so far is logged, 10 ms / 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "emu host time 5.000 ms per decode step over 1 steps"]
+    caplog.clear()
+    meter.begin(104.0)  # after a wait for work (a training phase): not host time
+    assert meter.steps == 0 and meter.host_s == 0
+    meter.begin(105.0)  # the step before slept nothing: the gap is not host time either
+    assert meter.steps == 0
+    with caplog.at_level("INFO", logger="rollout.emu"):
+        t = 105.0
+        for _ in range(HOST_LOG_STEPS):
+            meter.slept(0.050)
+            t += 0.054  # 4 ms wall over each sleep from here on
+            meter.begin(t)
+    # One block of HOST_LOG_STEPS steps of 4 ms logged, halved into emulated ms by the time
+    # scale.
+    want = 4 / 2
+    lines = [r.getMessage() for r in caplog.records if "emu host time" in r.getMessage()]
+    assert lines == [f"emu host time {want:.3f} ms per decode step over {HOST_LOG_STEPS} steps"]
+    assert meter.steps == 0 and meter.host_s == 0  # the block was logged and cleared

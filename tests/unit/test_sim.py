@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +186,20 @@ def test_simulated_window_moves_when_capacity_drops_inside_it() -> None:
     sim.clock.after(chosen / 4, partial(sim.fleet.set_spot, 1))
     sim.clock.run_until(math.inf, lambda: len(sim.records) > 1)
     assert sim.records[1]["seeding_window_s"] > chosen
+
+
+def test_the_check_reads_the_engines_host_time_by_kind(tmp_path: Path) -> None:
+    """bench-sim-check's reading of the emulated engines' host-time lines: per kind of
+    instance, weighted by steps, other services' logs ignored."""
+    from benchmarks.sim_check import measured_host
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    line = "2026-12-02 01:00:00,000 rollout INFO rollout.emu: emu host time {} ms per " \
+           "decode step over {} steps\n"
+    (logs / "reserved.log").write_text(line.format("2.000", 200) + line.format("4.000", 200))
+    (logs / "spot-t1.log").write_text(line.format("6.000", 100))
+    (logs / "spot-t2.log").write_text(line.format("9.000", 200))
+    (logs / "manager.log").write_text(line.format("99.0", 999))  # not an engine
+    assert measured_host(logs) == {"reserved": pytest.approx(0.003),
+                                   "spot": pytest.approx(0.008)}
