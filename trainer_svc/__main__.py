@@ -58,10 +58,11 @@ def main() -> None:
         else:
             distributed.worker_loop()
     except Exception as exc:
-        if group_lost(exc) is None:
+        lost = group_lost(exc)
+        if lost is None:
             raise
         # One line, not a traceback: torchrun (trainer_svc.torchrun) restarts the group.
-        log.error("rank %d leaves the group: %s", rank, group_lost(exc))
+        log.error("rank %d leaves the group: %s", rank, lost)
         raise SystemExit(1) from None
     finally:
         distributed.shutdown()

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from trainer_svc.torchrun import TORCHRUN_VARS  # what torchrun sets per rank
+
 REPO = Path(__file__).resolve().parents[2]
-# What torchrun sets per rank; inherited copies would confuse the job's own.
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def torchrun_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
