@@ -169,7 +169,15 @@ def _looks_like_a_path(path: str) -> bool:
 
 def _read(spec: DatasetSpec, cache_dir: Path | None, allow_hub: bool) -> Any:
     # Imported here: datasets pulls in pyarrow and pandas (~0.5 s), needed only by the trainer.
+    import datasets.config
     from datasets import load_dataset
+
+    # Unless told otherwise, datasets sends a "download count" HEAD request to S3 for every
+    # load, local files included. Its DNS lookup is outside the request's 3 s timeout, and on a
+    # host with no resolver answering it held a bad spec's run for over a minute (CI). A local
+    # load has nothing to count; a hub load keeps the library's default.
+    if not allow_hub:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
 
     local = Path(spec.path).expanduser()
     cache = str(cache_dir) if cache_dir is not None else None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -110,6 +112,24 @@ def test_eval_spec() -> None:
         DatasetSpec.from_mapping({"path": "d.jsonl", "prompts": "q"})
     with pytest.raises(DatasetError, match="prompt_key must be str"):
         DatasetSpec.from_mapping({"path": "d.jsonl", "prompt_key": 3})
+
+
+def test_a_local_load_makes_no_network_lookup(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # datasets' own default pings S3 to count downloads, even of a local file; where no DNS
+    # answers, that lookup held a bad spec's run past its deadline.
+    looked_up: list[object] = []
+    real = socket.getaddrinfo
+
+    def record(host: object, *args: Any, **kwargs: Any) -> Any:
+        looked_up.append(host)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", record)
+    assert len(_load(_write(tmp_path / "d.jsonl", ROWS), tmp_path)) == 5
+    with pytest.raises(DatasetError, match="no column 'question'"):
+        _load(tmp_path / "d.jsonl", tmp_path, prompt_key="question")
+    assert looked_up == []
 
 
 def test_missing_file(tmp_path: Path) -> None:
