@@ -25,6 +25,7 @@ from nats.aio.client import Client as Nats
 from manager_svc.accounting import Ledger
 from manager_svc.crash import HANDOFF_FLUSH, HANDOFF_FREE, HANDOFF_REVOKE, CrashPoints
 from manager_svc.ingest import ChunkIngest
+from manager_svc.leader import Leadership
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.placement import (
     idle_marks,
@@ -65,8 +66,10 @@ class ActiveStep:
 class Dispatcher:
     def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, nc: Nats, ledger: Ledger,
                  runs: RunStore, registry: Registry, ingest: ChunkIngest,
-                 metrics: ManagerMetrics, soft: SoftState, crash: CrashPoints) -> None:
+                 metrics: ManagerMetrics, soft: SoftState, crash: CrashPoints,
+                 leader: Leadership) -> None:
         self.cfg = cfg
+        self.leader = leader
         self.crash = crash
         self.redis = redis
         self.nc = nc
@@ -81,9 +84,12 @@ class Dispatcher:
         self._idle_since: dict[str, float] = {}  # soft state: when each instance went idle
 
     async def run(self) -> None:
-        """The dispatch loop: one pass per wake-up, or per interval when nothing wakes it."""
+        """The dispatch loop: one pass per wake-up, or per interval when nothing wakes it,
+        while this replica holds the dispatch lease (:mod:`manager_svc.leader`)."""
         while not self.soft.stopping:
             await self._wait_for_wake()
+            if not await self.leader.held():
+                continue  # a standby replica: another one dispatches
             if self._reap_due():
                 await self.registry.reap_dead()  # dead instances give their work back,
                 await self._expire_leases()  # and so do leases nobody renewed

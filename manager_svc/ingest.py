@@ -55,18 +55,47 @@ log = logging.getLogger("manager")
 # Frames pulled, committed in one Redis round trip (one AOF fsync) and acked together.
 FETCH_BATCH, FETCH_WAIT_S = 512, 0.5
 PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
+CREATE_CONSUMER = (f"$JS.API.CONSUMER.CREATE.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}."
+                   f"{names.CHUNK_WILDCARD}")
+UNPIN = f"$JS.API.CONSUMER.UNPIN.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
+INGEST_GROUP = "managers"  # the consumer's one priority group: every replica pulls in it
+PIN_HEADER = "Nats-Pin-Id"
 VOCAB_CACHE = 64  # steps whose vocabulary size is remembered
 
 
-async def bind_consumer(js: JetStreamContext, ack_wait_s: float) -> None:
+async def bind_consumer(nc: Nats, ack_wait_s: float) -> None:
     """Create the managers' shared durable chunk consumer, or bring an existing one to this
     configuration. A plain bind kept whatever an older manager created: a stream that outlived
     an upgrade kept its 30 s ack_wait, and with it the 20 s ingest stalls after a manager
-    SIGKILL that the lease-long ack_wait removed. ack_wait and max_ack_pending are editable in
-    place; the server answers an identical configuration with the consumer as it is."""
-    await js.add_consumer(names.CHUNK_STREAM, ConsumerConfig(
+    SIGKILL that the lease-long ack_wait removed. ack_wait, max_ack_pending and the priority
+    group are editable in place; the server answers an identical configuration with the
+    consumer as it is.
+
+    The consumer is one priority group with the ``pinned_client`` policy: of all the manager
+    replicas pulling from it, the server delivers to one at a time (the pinned one) and moves
+    the pin to a waiting replica when the pinned one has not pulled for a lease TTL (or says
+    it is leaving: :func:`unpin`). Frames of one response are then committed in the order
+    their instance sent them, whichever replica is up; two replicas committing interleaved
+    frames of one response would each see the other's offsets as gaps and revoke the lease."""
+    config = ConsumerConfig(
         durable_name=names.CHUNK_CONSUMER, filter_subject=names.CHUNK_WILDCARD,
-        ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, max_ack_pending=65536))
+        ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, max_ack_pending=65536).as_dict()
+    # nats-py's ConsumerConfig has no priority fields yet: the JetStream API takes them as JSON.
+    # The pin moves no sooner than the dead replica's pulled frames are redelivered (ack_wait),
+    # so its successor commits them before anything the instances sent later.
+    config.update(priority_groups=[INGEST_GROUP], priority_policy="pinned_client",
+                  priority_timeout=int(ack_wait_s * 1e9))
+    reply = await nc.request(CREATE_CONSUMER, json.dumps(
+        {"stream_name": names.CHUNK_STREAM, "config": config}).encode(), timeout=10)
+    error = json.loads(reply.data).get("error")
+    if error:
+        raise RuntimeError(f"chunk consumer: {error.get('description', error)}")
+
+
+async def unpin(nc: Nats) -> None:
+    """Hand the chunk stream's pin to a waiting replica now rather than after a TTL."""
+    with contextlib.suppress(Exception):
+        await nc.request(UNPIN, json.dumps({"group": INGEST_GROUP}).encode(), timeout=2)
 
 
 class ChunkIngest:
@@ -88,11 +117,23 @@ class ChunkIngest:
         self.soft = soft
         self.auth = auth
         self._vocab: dict[str, int] = {}  # step key -> the run's vocabulary size (0: unknown)
+        self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
+        self._in_flight = False  # a pulled batch is being committed and is not acked yet
+
+    async def leave(self) -> None:
+        """After the last ack: a waiting replica takes the stream over now, not in a TTL.
+        With a batch cut short (pulled, perhaps committed, not acked) the pin is kept: its
+        frames come back after ack_wait, when the pin moves anyway, and so still come first
+        to the next replica (handed over at once, it would see later frames first: gaps)."""
+        if self.pin is not None and not self._in_flight:
+            self.pin = None
+            self.metrics.ingest_pinned.set(0)
+            await unpin(self.nc)
 
     async def consume(self) -> None:
         """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered
         into a callback subscription: nats-py's ``fetch`` costs two tasks per message."""
-        await bind_consumer(self.nc.jetstream(), self.ack_wait_s)
+        await bind_consumer(self.nc, self.ack_wait_s)
         inbox, arrived, batch = self.nc.new_inbox(), asyncio.Event(), list[NatsMsg]()
         due = [0, 0.0]  # messages the outstanding request may still bring, and its expiry
 
@@ -101,23 +142,40 @@ class ChunkIngest:
             if status is None:
                 batch.append(msg)
                 due[0] -= 1
+                pin = (msg.headers or {}).get(PIN_HEADER)
+                if pin and pin != self.pin:
+                    log.info("ingest: this replica now commits the chunk stream")
+                    self.metrics.ingest_pinned.set(1)
+                    self.pin = pin
+            elif status == "423":  # the pin moved to another replica: wait as a standby
+                log.info("ingest: another replica commits the chunk stream now")
+                self.metrics.ingest_pinned.set(0)
+                self.pin, due[0] = None, 0
             elif status != "100":  # 404/408/409 end a request (100 is an idle heartbeat)
                 due[0] = 0
             arrived.set()
 
         sub = await self.nc.subscribe(inbox, cb=on_msg)
         try:
-            # A request lost to a broker restart never answers: its expiry ends it.
+            # A request lost to a broker restart never answers: its expiry ends it. A standby
+            # replica's requests (no pin id) are held by the server until the pin is free.
             while not self.soft.stopping:
                 if due[0] <= 0 or time.monotonic() > due[1]:
                     due[:] = [FETCH_BATCH, time.monotonic() + FETCH_WAIT_S]
-                    await self.nc.publish(PULL_NEXT, reply=inbox, payload=json.dumps(
-                        {"batch": FETCH_BATCH, "expires": int(FETCH_WAIT_S * 1e9)}).encode())
+                    pull: dict[str, str | int] = {
+                        "batch": FETCH_BATCH, "expires": int(FETCH_WAIT_S * 1e9),
+                        "group": INGEST_GROUP}
+                    if self.pin is not None:
+                        pull["id"] = self.pin
+                    await self.nc.publish(PULL_NEXT, reply=inbox,
+                                          payload=json.dumps(pull).encode())
                 if not batch:
                     arrived.clear()
                     await wait_event(arrived, FETCH_WAIT_S)
                 taken, batch[:] = batch[:], []
+                self._in_flight = True
                 await self._ingest(taken)
+                self._in_flight = False
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -62,3 +62,13 @@ class ManagerMetrics:
             "rlboost_handler_errors_total", "Bus handler failures (logged, not fatal)",
             ["subject"], registry=self.registry,
         )
+        # Of several manager replicas, one commits the chunk stream and one dispatches (not
+        # always the same one); each says here whether it is that one.
+        self.ingest_pinned = Gauge(
+            "rlboost_manager_ingest_active", "1 while this replica holds the chunk stream's pin",
+            registry=self.registry,
+        )
+        self.dispatch_leader = Gauge(
+            "rlboost_manager_dispatch_leader", "1 while this replica holds the dispatch lease",
+            registry=self.registry,
+        )

@@ -37,6 +37,7 @@ from manager_svc.dispatcher import Dispatcher
 from manager_svc.dynamic_sampling import DynamicSteps
 from manager_svc.events import InstanceEvents
 from manager_svc.ingest import ChunkIngest
+from manager_svc.leader import Leadership, replica_id
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.registry import Registry
 from manager_svc.runs import RunStore
@@ -46,6 +47,7 @@ from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
 from shared.config import ManagerConfig
 from shared.errors import ProtocolError
+from shared.names import Keys
 from shared.process import cancel_and_wait
 from shared.protocol import (
     Ack,
@@ -69,6 +71,7 @@ log = logging.getLogger("manager")
 M = TypeVar("M", bound=msgspec.Struct)
 # How long stop() waits for the background loops after cancelling them.
 STOP_WAIT_S = 3.0
+SERVE_QUEUE = "managers"  # the NATS queue group every replica answers the bus in
 
 
 class ManagerService:
@@ -76,6 +79,7 @@ class ManagerService:
         self.cfg = cfg
         self.metrics = ManagerMetrics()
         self.soft = SoftState()
+        self.replica = replica_id()  # this process among any other manager replicas
         self._tasks: list[asyncio.Task[None]] = []
         self._tails: dict[str, asyncio.Task[None]] = {}  # keyed bus handlers, newest per key
         # Set by start(), once the clients are connected:
@@ -89,6 +93,7 @@ class ManagerService:
         self.trainer: TrainerApi
         self.auth: ChunkAuth
         self.events: InstanceEvents
+        self.leader: Leadership
 
     async def start(self) -> None:
         self.redis = await connect_redis(self.cfg.common.redis_url)
@@ -98,7 +103,7 @@ class ManagerService:
         seed, password = reveal(self.cfg.issuer_seed), reveal(self.cfg.rollout_password)
         if seed is not None and password is not None:
             await AuthCallout(self.nc, self.redis, seed, password, self.metrics).start()
-        await ensure_chunk_stream(self.nc.jetstream())
+        await ensure_chunk_stream(self.nc.jetstream(), self.cfg.stream_replicas)
         await self.runs.sweep()  # runs that ended as a manager died: archive, expire
         await self._serve(names.HEARTBEAT_ANY, Heartbeat, self.registry.on_heartbeat,
                           key=lambda hb: hb.instance_id, owner=lambda hb: hb.instance_id)
@@ -118,7 +123,7 @@ class ManagerService:
             asyncio.create_task(self._supervised(self.dispatcher.run), name="dispatch"),
             asyncio.create_task(self._supervised(self._prune_runs), name="prune-runs"),
         ]
-        log.info("manager started: %s", self.cfg.describe())
+        log.info("manager %s started: %s", self.replica, self.cfg.describe())
 
     def _wire(self) -> None:
         """The parts, each given what it uses; none reaches another except through these."""
@@ -132,8 +137,10 @@ class ManagerService:
                                  crash)
         self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth,
                                   ack_wait_s=cfg.lease_ttl_s)
+        self.leader = Leadership(redis, Keys.dispatch_leader, self.replica, cfg.lease_ttl_s,
+                                 metrics)
         self.dispatcher = Dispatcher(cfg, redis, nc, self.ledger, self.runs, self.registry,
-                                     self.ingest, metrics, soft, crash)
+                                     self.ingest, metrics, soft, crash, self.leader)
         self.trainer = TrainerApi(redis, self.ledger, self.runs, self.registry, metrics, soft)
         self.dynamic = DynamicSteps(nc, self.ledger, self.runs, self.ingest, metrics, soft)
 
@@ -147,6 +154,11 @@ class ManagerService:
         for task, done in zip(self._tasks, ended, strict=True):
             if not done:
                 log.error("background loop %s ignored its cancels; leaving it", task.get_name())
+        # Nothing is pulled unacked now: another replica takes ingest and dispatch at once.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ingest.leave(), STOP_WAIT_S)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.leader.release(), STOP_WAIT_S)
         # Drain flushes what handlers already answered; bounded, since a pull subscription
         # with an open fetch can otherwise hold it for nats-py's 30 s default.
         with contextlib.suppress(Exception):
@@ -218,4 +230,6 @@ class ManagerService:
             self._tails[tag] = task  # the newest per key; each task holds the one before it
             task.add_done_callback(lambda t: self._tails.get(tag) is t and self._tails.pop(tag))
 
-        await self.nc.subscribe(subject, cb=callback if key is None else spawn)
+        # One queue group: of several manager replicas, each request reaches exactly one.
+        await self.nc.subscribe(subject, queue=SERVE_QUEUE,
+                                cb=callback if key is None else spawn)

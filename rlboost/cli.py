@@ -99,7 +99,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     root = Path(args.root).resolve()
     cluster = Cluster(root, spot=args.spot, reserved=args.reserved, engine=args.engine,
-                      trainer_ranks=args.trainer_ranks)
+                      trainer_ranks=args.trainer_ranks, managers=args.managers)
     print(f"rlboost: starting the embedded stack under {root} (logs in {root / 'logs'})",
           flush=True)
     try:
@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--trainer-ranks", type=int, default=1,
                     help="trainer processes under torchrun (RLBOOST_TRAINER_SHARDING picks "
                     "replicate or fsdp2); a dead rank restarts the group from its checkpoint")
+    up.add_argument("--managers", type=int, default=1,
+                    help="manager replicas (one dispatches and one ingests at a time; any may "
+                    "die); the first serves RLBOOST_MANAGER_URL, the others free ports")
     up.add_argument("--spec", help="run spec file (YAML or JSON)")
     up.add_argument("--set", action="append", metavar="KEY=VALUE", help="one run spec field")
     up.add_argument("--root", default=".rlboost")

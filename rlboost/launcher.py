@@ -78,6 +78,10 @@ class Cluster:
     # by torchrun up to trainer_restarts times when a rank dies (trainer_svc.torchrun).
     trainer_ranks: int = 1
     trainer_restarts: int = 3
+    # Manager processes: "manager" on RLBOOST_MANAGER_URL, then "manager-1" ... on free ports
+    # (their URLs in manager_urls), all on the same brokers (manager_svc.leader).
+    managers: int = 1
+    manager_urls: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     base_env: dict[str, str] | None = None  # default: the RLBOOST_* variables of this process
     stack: Stack | None = None
@@ -110,8 +114,13 @@ class Cluster:
         self.env = env
         py = sys.executable
         self._spawn("weights", [py, "-m", "weight_svc"], self.role_env.get("weights", {}), logs)
-        self._spawn("manager", [py, "-m", "manager_svc"], self.role_env.get("manager", {}), logs)
-        self.wait_http(env["RLBOOST_MANAGER_URL"])
+        self.manager_urls = [env["RLBOOST_MANAGER_URL"]] + [
+            f"http://127.0.0.1:{free_port()}" for _ in range(1, self.managers)]
+        for i, url in enumerate(self.manager_urls):
+            self._spawn("manager" if i == 0 else f"manager-{i}", [py, "-m", "manager_svc"],
+                        {**self.role_env.get("manager", {}), "RLBOOST_MANAGER_URL": url}, logs)
+        for url in self.manager_urls:
+            self.wait_http(url)
         self.wait_http(env["RLBOOST_WEIGHTS_URL"])
         trainer = [py, "-m", "trainer_svc"]
         if self.trainer_ranks > 1:

@@ -81,14 +81,16 @@ async def connect_nats(url: str, name: str, deadline_s: float = 30.0,
             await asyncio.sleep(0.5)
 
 
-async def ensure_chunk_stream(js: JetStreamContext) -> None:
-    """The durable stream token chunks ride on; a message leaves it once the manager acks it."""
+async def ensure_chunk_stream(js: JetStreamContext, replicas: int = 1) -> None:
+    """The durable stream token chunks ride on; a message leaves it once the manager acks it.
+    ``replicas``: copies a JetStream cluster keeps (R3 survives one server lost)."""
     config = StreamConfig(
         name=names.CHUNK_STREAM,
         subjects=[names.CHUNK_WILDCARD],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         max_age=3600.0,
+        num_replicas=replicas,
     )
     try:
         await js.add_stream(config)

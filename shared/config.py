@@ -144,6 +144,9 @@ class ManagerConfig(Settings):
     retention_s: float = setting(
         "RLBOOST_RETENTION_S", 86_400.0, "a finished run's Redis keys expire this long after it "
         "ends; its archive in the data dir stays", ge=0)
+    stream_replicas: int = setting(
+        "RLBOOST_STREAM_REPLICAS", 1, "copies of the chunk stream a JetStream cluster keeps "
+        "(3 on the compose profile \"ha\"'s 3-node cluster); 1 on one server", ge=1, le=5)
     max_queued_runs: int = setting(
         "RLBOOST_MAX_QUEUED_RUNS", 100, "POST /v1/runs past this many queued runs is refused "
         "with 429", ge=1)

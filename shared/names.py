@@ -121,6 +121,7 @@ class Keys:
     expiring = f"{PREFIX}:runs:expiring"  # zset ended run id -> when its keys expire (ms)
     active = f"{PREFIX}:active"  # the run now being trained
     instances = f"{PREFIX}:instances"  # set of instance ids ever seen and not yet reaped
+    dispatch_leader = f"{PREFIX}:leader:dispatch"  # the manager replica that dispatches
 
     @staticmethod
     def run(run_id: str) -> str:

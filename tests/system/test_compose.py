@@ -40,13 +40,14 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 SECRETS = ("RLBOOST_API_TOKEN", "RLBOOST_WEIGHTS_TOKEN", "RLBOOST_WEIGHTS_READ_TOKEN",
            "NATS_MANAGER_PASSWORD", "NATS_TRAINER_PASSWORD", "NATS_ROLLOUT_PASSWORD",
-           "RLBOOST_NATS_ISSUER_SEED", "NATS_ISSUER", "REDIS_PASSWORD")
+           "RLBOOST_NATS_ISSUER_SEED", "NATS_ISSUER", "REDIS_PASSWORD", "NATS_CLUSTER_PASSWORD")
 _SEED = new_account_seed()
 ENV = {"RLBOOST_API_TOKEN": "api-s3cret", "RLBOOST_WEIGHTS_TOKEN": "weights-s3cret",
        "RLBOOST_WEIGHTS_READ_TOKEN": "read-s3cret", "NATS_MANAGER_PASSWORD": "m-s3cret",
        "NATS_TRAINER_PASSWORD": "t-s3cret", "NATS_ROLLOUT_PASSWORD": "r-s3cret",
        "RLBOOST_NATS_ISSUER_SEED": _SEED, "NATS_ISSUER": public_key(_SEED),
-       "REDIS_PASSWORD": "redis-s3cret", "RLBOOST_ENGINE": "emu",
+       "REDIS_PASSWORD": "redis-s3cret", "NATS_CLUSTER_PASSWORD": "route-s3cret",
+       "RLBOOST_ENGINE": "emu",
        "RESERVED_HOST": "reserved.example"}
 # Who holds which credential (least privilege): the NATS user of each service, and the tokens.
 NATS_USERS = {"manager": "manager", "weights": "trainer", "trainer": "trainer",
@@ -174,6 +175,48 @@ def test_spot_peers_override_publishes_the_chunk_server_it_announces() -> None:
     assert dev["RLBOOST_PEER_ADDR"] == "0.0.0.0"  # replicas reach each other on the network
 
 
+def test_ha_override_is_a_three_node_cluster_and_two_managers() -> None:
+    for secret in ("NATS_CLUSTER_PASSWORD", "NATS_MANAGER_PASSWORD", "REDIS_PASSWORD"):
+        with pytest.raises(Missing, match=secret):
+            load("ha.yml", {k: v for k, v in ENV.items() if k != secret})
+    ha = load("ha.yml", ENV)["services"]
+    dev = load("docker-compose.yml", ENV)["services"]
+    nodes = {n: s for n, s in ha.items() if n.startswith("nats")}
+    assert set(nodes) == {"nats", "nats-2", "nats-3"}
+    names = set()
+    for svc in nodes.values():
+        env = environment(svc)
+        assert svc["command"][:3] == ["nats-server", "-c", "/etc/nats/nats-cluster.conf"]
+        assert {"./nats.conf:/etc/nats/nats.conf:ro",
+                "./nats-cluster.conf:/etc/nats/nats-cluster.conf:ro"} <= set(svc["volumes"])
+        assert env["NATS_CLUSTER_PASSWORD"] == ENV["NATS_CLUSTER_PASSWORD"]
+        assert svc.get("healthcheck", {}).get("test") and svc["restart"] == "unless-stopped"
+        assert not svc.get("ports")  # clients reach the nodes on the compose network only
+        names.add(env["NATS_SERVER_NAME"])
+    assert len(names) == 3  # JetStream clustering needs a distinct name per node
+    # The cluster config routes to exactly these nodes, logging in with the route password.
+    cluster = (COMPOSE / "nats-cluster.conf").read_text()
+    assert set(re.findall(r"nats://([\w-]+):6222", cluster)) == set(nodes)
+    assert "password: $NATS_CLUSTER_PASSWORD" in cluster and "include ./nats.conf" in cluster
+    assert "$NATS_SERVER_NAME" in cluster
+    # Two managers with the manager's credentials and nothing more, the stream kept 3 times.
+    second = environment(ha["manager-2"])
+    assert set(second) <= known_names() | {"NATS_CLUSTER_PASSWORD"}
+    assert second["RLBOOST_NATS_URL"].startswith("nats://manager:")
+    assert {k for k in second if k.endswith("_TOKEN")} == TOKENS["manager"]
+    assert "RLBOOST_NATS_ISSUER_SEED" in second and not ha["manager-2"].get("ports")
+    assert second["RLBOOST_STREAM_REPLICAS"] == environment(ha["manager"])[
+        "RLBOOST_STREAM_REPLICAS"] == "3"
+    assert second["RLBOOST_REDIS_URL"] == environment(dev["manager"])["RLBOOST_REDIS_URL"]
+    # Pinned consumers need 2.11+: every NATS image of every file is at least that.
+    for name in (*FILES, "ha.yml"):
+        for svc in load(name, ENV)["services"].values():
+            image = svc.get("image", "")
+            if image.startswith("nats:"):
+                major, minor = (int(x) for x in image.split(":")[1].split("-")[0].split(".")[:2])
+                assert (major, minor) >= (2, 11), (name, image)
+
+
 def need_compose_client() -> None:
     """Skip, saying why, where no ``docker compose`` client exists: the checks that need
     one must not pass silently without it."""
@@ -185,6 +228,15 @@ def need_compose_client() -> None:
     if probe.returncode != 0:
         pytest.skip("the docker client here has no compose plugin: `docker compose config` "
                     "not run")
+
+
+def test_docker_compose_accepts_the_ha_override() -> None:
+    need_compose_client()
+    done = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE / "docker-compose.yml"), "-f",
+         str(COMPOSE / "ha.yml"), "config", "-q"],
+        env={**os.environ, **ENV}, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
 
 
 def test_docker_compose_accepts_the_spot_peers_override() -> None:
