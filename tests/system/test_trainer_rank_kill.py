@@ -142,9 +142,14 @@ def test_rank_killed_mid_step_restarts_group(cluster: Cluster) -> None:
     assert len(versions) == 1 + len(killed) and versions[0] == 0, log[-4000:]
     assert all(v in (s, s + 1) for v, (s, _, _) in zip(versions[1:], killed, strict=True)), \
         (versions, killed, log[-4000:])
-    # Each step's update was made once: one finished report per step, none trained twice.
+    # Each step's update was made once: no step reported finished twice (check_run has seen
+    # every step finished, with its samples, in the manager). A step may lack its log line:
+    # the kill fell after the manager took its report and before the line was written, so the
+    # run had moved on to the next step when read, and the new group resumed at that version.
     done = [int(n) for n in re.findall(r"trainer: step (\d+) done", log)]
-    assert done == list(range(SPEC["steps"])), done
+    assert done == sorted(set(done)), done
+    cut = {s - 1 for (s, _, _), v in zip(killed, versions[1:], strict=True) if v == s}
+    assert set(range(SPEC["steps"])) - set(done) <= cut, (done, killed, versions)
     # One new group per kill: a restart that failed to form its group (a stale peer address,
     # say) would use up another of torchrun's restarts and show here.
     assert log.count("trainer.dist: rank 0 of 2 on") == 1 + len(KILLS)
