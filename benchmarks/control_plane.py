@@ -331,6 +331,7 @@ def part_ingest(root: Path) -> dict[str, Any]:
             # bus), then the same live pass again.
             flush = max(FLUSHES)
             second.start()
+            cluster.children.append(second)  # stopped with the rest; not before it runs
             cluster.wait_http(second.env["RLBOOST_MANAGER_URL"])
             two = await manager_pass(nc, http, stack, f"two{flush}", None, flush)
             del two["msgs"]
@@ -340,7 +341,6 @@ def part_ingest(root: Path) -> dict[str, Any]:
     second = Child("manager-1", [sys.executable, "-m", "manager_svc"],
                    {**env, "RLBOOST_MANAGER_URL": f"http://127.0.0.1:{free_port()}"},
                    root / "manager-1.log")
-    cluster.children.append(second)
     try:
         manager.start()
         cluster.wait_http(url)
