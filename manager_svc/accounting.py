@@ -268,23 +268,37 @@ class Ledger:
     async def assign(
         self, rid: str, instance_id: str, temperature: float, seed: int, eos_token_id: int
     ) -> Assignment | None:
-        run_id, step, p, s = parse_request_id(rid)
+        got = await self.assign_many([rid], instance_id, temperature, seed, eos_token_id)
+        return got[0] if got else None
+
+    async def assign_many(
+        self, rids: list[str], instance_id: str, temperature: float, seed: int,
+        eos_token_id: int,
+    ) -> list[Assignment]:
+        """Lease responses of one step to one instance in one atomic script; those another
+        pass took (or that are done) are left out of the result."""
+        if not rids:
+            return []
+        run_id, step, _, _ = parse_request_id(rids[0])
         got = await self._assign(
-            keys=[Keys.request(rid), Keys.lease(rid), Keys.pending(run_id, step),
-                  Keys.leased(run_id, step), Keys.step(run_id, step)],
-            args=[rid, instance_id, self.lease_ttl_ms, time.time(), self._held_prefix],
+            keys=[Keys.pending(run_id, step), Keys.leased(run_id, step), Keys.step(run_id, step)],
+            args=[instance_id, self.lease_ttl_ms, time.time(), self._held_prefix,
+                  Keys.request(""), Keys.lease(""), *rids],
         )
-        if not got:
-            return None
-        epoch, tokens, prompt = got
-        meta = await self.r.hmget(Keys.request(rid), ["version", "max"])
-        return Assignment(
-            request_id=rid, run_id=run_id, step=step, prompt_index=p, sample_index=s,
-            weight_version=int(meta[0]), epoch=int(epoch),
-            lease_key=self.lease_key(rid, int(epoch)), prompt_token_ids=_ints(prompt),
-            committed_token_ids=_ints(tokens), max_new_tokens=int(meta[1]),
-            temperature=temperature, seed=seed, eos_token_id=eos_token_id,
-        )
+        out: list[Assignment] = []
+        for rid, item in zip(rids, got, strict=True):
+            if not item:
+                continue
+            epoch, tokens, prompt, version, max_new = item
+            _, _, p, s = parse_request_id(rid)
+            out.append(Assignment(
+                request_id=rid, run_id=run_id, step=step, prompt_index=p, sample_index=s,
+                weight_version=int(version), epoch=int(epoch),
+                lease_key=self.lease_key(rid, int(epoch)), prompt_token_ids=_ints(prompt),
+                committed_token_ids=_ints(tokens), max_new_tokens=int(max_new),
+                temperature=temperature, seed=seed, eos_token_id=eos_token_id,
+            ))
+        return out
 
     async def revoke(self, rid: str, expected_epoch: int | None = None) -> bool:
         run_id, step, _, _ = parse_request_id(rid)

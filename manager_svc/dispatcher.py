@@ -13,7 +13,6 @@ Redis and NATS mechanics of each stage are the helpers beneath them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -48,7 +47,9 @@ from shared.process import wait_event
 from shared.protocol import Assign, Assignment, Handoff, Revoke, RunSpec, encode
 
 log = logging.getLogger("manager")
-ASSIGN_CONCURRENCY = 32  # assignment scripts in flight at once (one Redis connection each)
+# Responses leased per assignment script: it holds Redis while it runs (~10 commands each), so
+# a big lease goes as several calls and other clients' commands get in between them.
+ASSIGN_BATCH = 256
 # How long reserved instances get at a hand-off to flush their buffers and hand work back (a
 # release waits up to RELEASE_COMMIT_WAIT_S for its chunks' commits) before it is revoked.
 HANDOFF_FLUSH_S = RELEASE_COMMIT_WAIT_S + 1.0
@@ -268,14 +269,12 @@ class Dispatcher:
         assignments and what is left of the queue (a response another pass took is skipped)."""
         batch: list[Assignment] = []
         while room > 0 and queue:
-            # Each assignment is its own atomic script; running a slice of them at once
-            # overlaps their round trips (thousands of responses per step otherwise cost
-            # thousands of sequential waits on Redis).
-            n = min(room, ASSIGN_CONCURRENCY)
+            # One script leases a slice to the instance: thousands of responses a step cost
+            # one round trip per instance and slice, not one script and one read each.
+            n = min(room, ASSIGN_BATCH)
             take, queue = queue[:n], queue[n:]
-            got = await asyncio.gather(*(self.ledger.assign(
-                rid, instance_id, spec.temperature, spec.seed, eos) for rid in take))
-            leased = [a for a in got if a is not None]
+            leased = await self.ledger.assign_many(take, instance_id, spec.temperature,
+                                                   spec.seed, eos)
             batch += leased
             room -= len(leased)
         return batch, queue

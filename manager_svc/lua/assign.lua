@@ -1,13 +1,28 @@
--- Leases a pending response to an instance under a new epoch (the fencing token).
--- KEYS: req, lease, pending, leased, step | ARGV: rid, instance, ttl_ms, now, held_prefix
-local req = KEYS[1]
-if redis.call('HGET', req, 'done') == '1' then return nil end
-if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 0 then return nil end
-local epoch = redis.call('HINCRBY', req, 'epoch', 1)
-redis.call('SET', KEYS[2], ARGV[2] .. ':' .. epoch, 'PX', ARGV[3])
-redis.call('SMOVE', KEYS[3], KEYS[4], ARGV[1])
-redis.call('SADD', ARGV[5] .. ARGV[2] .. ':held', ARGV[1])
-local st = redis.call('HMGET', req, 'n', 'last', 'tokens', 'prompt')
-if tonumber(st[1]) > 0 and st[2] ~= ARGV[2] then redis.call('HINCRBY', KEYS[5], 'migrations', 1) end
-redis.call('HSET', req, 'owner', ARGV[2], 'assigned_at', ARGV[4])
-return {epoch, st[3] or '', st[4]}
+-- Leases pending responses of one step to one instance, each under a new epoch (the fencing
+-- token), all in one call: thousands of responses a step cost one round trip per instance,
+-- not two per response. A response that is done or no longer pending (another pass took it)
+-- is skipped: false in its place.
+-- KEYS: pending, leased, step | ARGV: instance, ttl_ms, now, held_prefix, request key prefix,
+-- lease key prefix, then the request ids. Returns per id {epoch, tokens, prompt, version, max}.
+local inst, ttl, now, held = ARGV[1], ARGV[2], ARGV[3], ARGV[4] .. ARGV[1] .. ':held'
+local req_prefix, lease_prefix = ARGV[5], ARGV[6]
+local out, migrations = {}, 0
+for i = 7, #ARGV do
+  local rid = ARGV[i]
+  local req = req_prefix .. rid
+  if redis.call('HGET', req, 'done') ~= '1' and redis.call('SISMEMBER', KEYS[1], rid) == 1 then
+    local epoch = redis.call('HINCRBY', req, 'epoch', 1)
+    redis.call('SET', lease_prefix .. rid, inst .. ':' .. epoch, 'PX', ttl)
+    redis.call('SMOVE', KEYS[1], KEYS[2], rid)
+    redis.call('SADD', held, rid)
+    local st = redis.call('HMGET', req, 'n', 'last', 'tokens', 'prompt', 'version', 'max')
+    -- Committed tokens made by another instance: this lease moves the response.
+    if tonumber(st[1]) > 0 and st[2] ~= inst then migrations = migrations + 1 end
+    redis.call('HSET', req, 'owner', inst, 'assigned_at', now)
+    out[#out + 1] = {epoch, st[3] or '', st[4], st[5], st[6]}
+  else
+    out[#out + 1] = false
+  end
+end
+if migrations > 0 then redis.call('HINCRBY', KEYS[3], 'migrations', migrations) end
+return out

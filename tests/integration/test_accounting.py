@@ -82,6 +82,30 @@ async def test_stale_epoch_is_fenced_and_migration_resumes(ledger: Ledger) -> No
     assert int(info["migrations"]) == 1
 
 
+async def test_one_script_leases_many_and_skips_what_is_taken(ledger: Ledger) -> None:
+    rids = [f"{RUN}:0:{p}:{s}" for p in range(2) for s in range(2)]
+    taken = await ledger.assign(rids[1], "i1", 1.0, 0, 2)
+    assert taken is not None
+    assert await outcome(ledger, chunk(rids[1], "i1", taken.epoch, 0, [5])) == "ok"
+    assert await ledger.revoke(rids[1])  # back to pending, its token kept: a migration next
+    assert await ledger.assign(rids[2], "i3", 1.0, 0, 2) is not None  # another pass took it
+    got = await ledger.assign_many(rids, "i2", 0.5, 9, 2)
+    assert [a.request_id for a in got] == [rids[0], rids[1], rids[3]]
+    by = {a.request_id: a for a in got}
+    assert by[rids[1]].committed_token_ids == [5] and by[rids[1]].epoch == taken.epoch + 2
+    assert by[rids[0]].epoch == 1 and by[rids[0]].prompt_token_ids == [1, 2]
+    assert by[rids[3]].prompt_token_ids == [3, 4] and by[rids[3]].max_new_tokens == 6
+    assert all(a.temperature == 0.5 and a.seed == 9 and a.weight_version == 0 for a in got)
+    assert await ledger.r.smembers(Keys.instance_held("i2")) == set(by)
+    assert await ledger.r.scard(Keys.pending(RUN, 0)) == 0
+    assert await ledger.r.get(Keys.lease(rids[3])) == "i2:1"
+    info = await ledger.r.hgetall(Keys.step(RUN, 0))
+    assert int(info["migrations"]) == 1  # only the response with another's tokens moved
+    # Every lease of the batch fences like a single one: the new owner's next offset commits.
+    assert await outcome(ledger, chunk(rids[1], "i2", by[rids[1]].epoch, 1, [6])) == "ok"
+    assert await ledger.assign_many(rids, "i4", 1.0, 0, 2) == []
+
+
 async def test_expired_lease_rejects_chunks(ledger: Ledger) -> None:
     rid = f"{RUN}:0:0:1"
     a = await ledger.assign(rid, "i1", 1.0, 0, 2)
