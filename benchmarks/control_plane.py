@@ -213,7 +213,7 @@ async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
             by_rid.setdefault(e.request_id, []).extend(e.token_ids)
     expected = {rid: ",".join(map(str, t)) for rid, t in by_rid.items()}
     with redis.Redis.from_url(stack.redis.url, decode_responses=True) as r:
-        committed = {rid: r.hget(Keys.request(rid), "tokens") for rid in expected}
+        committed = {rid: r.get(Keys.tokens(rid)) for rid in expected}
         info = r.hgetall(Keys.step(run_id, 0))
     return {"msgs": msgs, "tokens": sum(map(len, by_rid.values())), "responses": total,
             "seconds": t_end - t0, "publish_s": publish_s, "barrier_tokens": done.digest.tokens,

@@ -326,10 +326,12 @@ class Ledger:
         for rid in rids:
             pipe.hmget(Keys.request(rid), ["p", "s", "version", "prompt", "tokens", "finish",
                                            "instances"])
+            pipe.get(Keys.tokens(rid))
         rows = await pipe.execute()
         out = []
-        for rid, row in zip(rids, rows, strict=True):
-            p, s, version, prompt, tokens, finish, instances = row
+        for rid, row, text in zip(rids, rows[::2], rows[1::2], strict=True):
+            p, s, version, prompt, legacy, finish, instances = row
+            tokens = text or legacy  # the hash field only for a response never moved
             out.append(Sample(
                 request_id=rid, prompt_index=int(p), sample_index=int(s),
                 weight_version=int(version), prompt_token_ids=_ints(prompt),

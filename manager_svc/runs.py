@@ -35,7 +35,7 @@ LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_
                  "stale_chunks_rejected", "tokens_regenerated", "forged_chunks_rejected",
                  "invalid_chunks_dropped", "tokens_discarded")
 WARNINGS_MAX = 50  # warnings kept per run
-DROP_BATCH = 1024  # keys per DEL when a finished step leaves Redis
+DROP_BATCH = 1024  # responses (two keys each) per DEL when a finished step leaves Redis
 
 
 class QueueFull(Exception):
@@ -228,7 +228,8 @@ class RunStore:
             pipe.smembers(key)
         rids = sorted(set().union(*await pipe.execute()))
         for i in range(0, len(rids), DROP_BATCH):
-            await self.r.delete(*[Keys.request(r) for r in rids[i:i + DROP_BATCH]])
+            await self.r.delete(*[k for r in rids[i:i + DROP_BATCH]
+                                  for k in (Keys.request(r), Keys.tokens(r))])
         await self.r.delete(Keys.samples(run_id, step), *sets)
 
     async def retire(self, run_id: str) -> None:
@@ -270,7 +271,8 @@ class RunStore:
             pipe = self.r.pipeline(transaction=False)
             for key in sets:
                 pipe.smembers(key)
-            keys += [Keys.request(rid) for rid in set().union(*await pipe.execute())]
+            keys += [k for rid in set().union(*await pipe.execute())
+                     for k in (Keys.request(rid), Keys.tokens(rid))]
             keys += [Keys.step(run_id, n), Keys.samples(run_id, n), *sets]
         return keys
 

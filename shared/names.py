@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 
 PREFIX = "rlb"
+TOKENS_SUFFIX = ":tokens"  # Keys.tokens; the scripts get it from manager_svc.scripts
 CHUNK_STREAM = "RLB_CHUNKS"
 CHUNK_CONSUMER = "manager"
 
@@ -185,6 +186,13 @@ class Keys:
     @staticmethod
     def request(rid: str) -> str:
         return f"{PREFIX}:req:{rid}"
+
+    @staticmethod
+    def tokens(rid: str) -> str:
+        """A response's committed tokens as CSV, a string of its own so that a commit APPENDs:
+        Redis logs a script by its effects, and a hash field would be rewritten whole, the
+        append-only file growing with the square of the response's length."""
+        return Keys.request(rid) + TOKENS_SUFFIX
 
     @staticmethod
     def lease(rid: str) -> str:

@@ -4,6 +4,7 @@
 -- is skipped: false in its place.
 -- KEYS: pending, leased, step | ARGV: instance, ttl_ms, now, held_prefix, request key prefix,
 -- lease key prefix, then the request ids. Returns per id {epoch, tokens, prompt, version, max}.
+-- include: common.lua
 local inst, ttl, now, held = ARGV[1], ARGV[2], ARGV[3], ARGV[4] .. ARGV[1] .. ':held'
 local req_prefix, lease_prefix = ARGV[5], ARGV[6]
 local out, migrations = {}, 0
@@ -19,7 +20,8 @@ for i = 7, #ARGV do
     -- Committed tokens made by another instance: this lease moves the response.
     if tonumber(st[1]) > 0 and st[2] ~= inst then migrations = migrations + 1 end
     redis.call('HSET', req, 'owner', inst, 'assigned_at', now)
-    out[#out + 1] = {epoch, st[3] or '', st[4], st[5], st[6]}
+    take_legacy_tokens(req, st[3])
+    out[#out + 1] = {epoch, redis.call('GET', req .. TOKENS) or '', st[4], st[5], st[6]}
   else
     out[#out + 1] = false
   end

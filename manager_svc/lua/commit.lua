@@ -59,9 +59,10 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
   end
   if n + ntok > tonumber(st[5]) then return revoke('overlong', 'overlong_chunks') end
   if ntok > 0 then
+    take_legacy_tokens(req, st[8])  -- st[8] is nil for every response written since
+    redis.call('APPEND', req .. TOKENS, n == 0 and tokens or (',' .. tokens))
     n = n + ntok
-    local prior = st[8] or ''
-    redis.call('HSET', req, 'tokens', prior == '' and tokens or (prior .. ',' .. tokens), 'n', n)
+    redis.call('HSET', req, 'n', n)
     count(step, 'tokens', ntok)
     count(step, 'tokens_' .. kind, ntok)
     firsts[step .. '|' .. kind] = {step, kind .. '_first_at'}

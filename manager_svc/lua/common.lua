@@ -1,5 +1,15 @@
 -- Helpers shared by the ledger's scripts. Redis scripts cannot include one another: the loader
 -- (manager_svc/scripts.py) puts this text where a script says `-- include: common.lua`.
+-- A response's tokens are a string key of their own, appended to (names.Keys.tokens).
+local TOKENS = '@TOKENS_SUFFIX@'
+local function take_legacy_tokens(req, legacy)
+  -- A response written before its tokens had a key of their own keeps them in its hash: they
+  -- move on its first lease or commit, so an upgraded manager continues it exactly.
+  if legacy and legacy ~= '' then
+    redis.call('SET', req .. TOKENS, legacy)
+    redis.call('HDEL', req, 'tokens')
+  end
+end
 local function csv_append(key, field, value)
   local cur = redis.call('HGET', key, field) or ''
   if cur == '' then redis.call('HSET', key, field, value)
@@ -12,8 +22,8 @@ local function release_owner(req, rid, held_prefix)
 end
 local function write_request(key, run, step, p, s, version, prompt, max_new)
   -- A response as created, fresh (create_requests.lua, extend_step.lua).
-  redis.call('DEL', key)
+  redis.call('DEL', key, key .. TOKENS)
   redis.call('HSET', key, 'run', run, 'step', step, 'p', p, 's', s, 'version', version,
-             'prompt', prompt, 'tokens', '', 'n', 0, 'epoch', 0, 'owner', '', 'done', '0',
+             'prompt', prompt, 'n', 0, 'epoch', 0, 'owner', '', 'done', '0',
              'finish', '', 'instances', '', 'last', '', 'seen', 0, 'max', max_new)
 end

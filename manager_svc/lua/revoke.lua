@@ -18,7 +18,9 @@ local n = tonumber(redis.call('HGET', req, 'n'))
 local waste = tonumber(redis.call('HGET', req, 'seen') or '0')
 if ARGV[4] == 'request' and n > 0 then
   waste = waste + n
-  redis.call('HSET', req, 'tokens', '', 'n', 0, 'instances', '', 'last', '')
+  redis.call('HDEL', req, 'tokens')  -- a legacy response's, if it was never moved
+  redis.call('DEL', req .. TOKENS)
+  redis.call('HSET', req, 'n', 0, 'instances', '', 'last', '')
   redis.call('HINCRBY', KEYS[5], 'tokens', -n)
 end
 redis.call('HSET', req, 'seen', 0)
