@@ -50,8 +50,13 @@ def _flat(fields: dict[str, Any]) -> bytes:
     return _json.encode([str(x) for kv in fields.items() for x in kv])
 
 
+_int_list = msgspec.json.Decoder(list[int])
+
+
 def _ints(text: str | None) -> list[int]:
-    return [int(t) for t in text.split(",")] if text else []
+    # The CSV as a JSON array: msgspec parses 512 tokens in ~12 us, a split and int() in ~80;
+    # the manager parses every response at its group's end and again at the barrier.
+    return _int_list.decode(f"[{text}]") if text else []
 
 
 _EXTEND_REFUSED = {
@@ -344,8 +349,3 @@ class Ledger:
     async def done_samples(self, run_id: str, step: int) -> list[Sample]:
         rids = sorted(await self.r.smembers(Keys.done(run_id, step)))
         return await self.samples(rids)
-
-    async def group_samples(
-        self, run_id: str, step: int, prompt_index: int, n: int
-    ) -> list[Sample]:
-        return await self.samples([request_id(run_id, step, prompt_index, s) for s in range(n)])

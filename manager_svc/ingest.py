@@ -38,13 +38,15 @@ from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
 from shared import names
 from shared.errors import ProtocolError
-from shared.names import Keys
+from shared.names import Keys, request_id
 from shared.process import wait_event
 from shared.protocol import (
     MESSAGE_BUDGET,
     Barrier,
     FrameEntry,
     GroupDone,
+    RunSpec,
+    Sample,
     TokenFrame,
     decode,
     encode,
@@ -60,7 +62,7 @@ CREATE_CONSUMER = (f"$JS.API.CONSUMER.CREATE.{names.CHUNK_STREAM}.{names.CHUNK_C
 UNPIN = f"$JS.API.CONSUMER.UNPIN.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 INGEST_GROUP = "managers"  # the consumer's one priority group: every replica pulls in it
 PIN_HEADER = "Nats-Pin-Id"
-VOCAB_CACHE = 64  # steps whose vocabulary size is remembered
+VOCAB_CACHE = 64  # steps whose vocabulary size, and runs whose spec, are remembered
 
 
 async def bind_consumer(nc: Nats, ack_wait_s: float) -> None:
@@ -117,6 +119,7 @@ class ChunkIngest:
         self.soft = soft
         self.auth = auth
         self._vocab: dict[str, int] = {}  # step key -> the run's vocabulary size (0: unknown)
+        self._specs: dict[str, RunSpec] = {}  # run id -> its spec, written once at submission
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self._in_flight = False  # a pulled batch is being committed and is not acked yet
 
@@ -209,6 +212,8 @@ class ChunkIngest:
         # Counted once per batch, not per entry: a labelled counter costs microseconds a call.
         statuses: Counter[str] = Counter()
         tokens = discarded = 0
+        ended: list[tuple[str, int, int]] = []  # groups complete, in commit order
+        barriers: list[tuple[str, int]] = []  # steps complete
         for frame in frames:
             for entry in frame.entries:
                 status = next(results).status
@@ -217,8 +222,18 @@ class ChunkIngest:
                     tokens += len(entry.token_ids)
                 elif status == "aborted":  # its step closed without it (dynamic sampling)
                     discarded += len(entry.token_ids)
-                if status not in ("ok", "duplicate", "stale", "aborted"):
-                    await self._after_commit(frame, entry, status)
+                if status in ("gap", "wrong_version", "overlong"):
+                    self._taken_back(frame, entry, status)
+                elif status in ("group", "step"):
+                    run_id, step, prompt, _ = names.parse_request_id(entry.request_id)
+                    ended.append((run_id, step, prompt))
+                    if status == "step":
+                        barriers.append((run_id, step))
+        # Every group a batch completed is read in one round trip and announced before the
+        # barrier of its step (one read per group was a round trip each, inside the loop).
+        await self._announce_groups(ended)
+        for run_id, step in barriers:
+            await self.barrier(run_id, step)
         for status, n in statuses.items():
             self.metrics.chunks.labels(status).inc(n)
         self.metrics.tokens.inc(tokens)
@@ -226,18 +241,12 @@ class ChunkIngest:
         for msg in keep:
             await msg.ack()
 
-    async def _after_commit(self, frame: TokenFrame, entry: FrameEntry, status: str) -> None:
-        """What a commit's outcome sets off: a take-back, a group's or a step's end."""
-        if status in ("gap", "wrong_version", "overlong"):
-            self.metrics.revocations.labels(status).inc()
-            log.info("entry of %s from %s: %s; taken back", entry.request_id,
-                     frame.instance_id, status)
-            self.soft.wake.set()
-        if status in ("group", "step"):
-            run_id, step, prompt, _ = names.parse_request_id(entry.request_id)
-            await self._announce_group(run_id, step, prompt)
-            if status == "step":
-                await self.barrier(run_id, step)
+    def _taken_back(self, frame: TokenFrame, entry: FrameEntry, status: str) -> None:
+        """The commit script revoked the entry's response: dispatch leases it again."""
+        self.metrics.revocations.labels(status).inc()
+        log.info("entry of %s from %s: %s; taken back", entry.request_id, frame.instance_id,
+                 status)
+        self.soft.wake.set()
 
     async def _admissible(self, msg: NatsMsg, frame: TokenFrame, entry: FrameEntry) -> bool:
         """From its lease holder (MAC, subject) and committable at all (offset, vocabulary);
@@ -277,16 +286,34 @@ class ChunkIngest:
                 self._vocab[skey] = size
         return size
 
-    async def _announce_group(self, run_id: str, step: int, prompt: int) -> None:
-        """Tell the trainer a group is complete, its samples attached when they fit."""
-        spec = await self.runs.spec(run_id)
+    async def _spec(self, run_id: str) -> RunSpec | None:
+        spec = self._specs.get(run_id)
         if spec is None:
-            return  # the run's record is gone: nobody trains this group
-        samples = await self.ledger.group_samples(run_id, step, prompt, spec.samples_per_prompt)
-        event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt, samples=samples))
-        if len(event) > MESSAGE_BUDGET:  # the trainer pages it in after the barrier
-            event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt))
-        await self.nc.publish(names.group_subject(run_id), event)
+            spec = await self.runs.spec(run_id)  # a read and a decode: once, not per group
+            if spec is not None:
+                if len(self._specs) >= VOCAB_CACHE:
+                    self._specs.clear()
+                self._specs[run_id] = spec
+        return spec
+
+    async def _announce_groups(self, groups: list[tuple[str, int, int]]) -> None:
+        """Tell the trainer these groups are complete, each with its samples when they fit."""
+        wanted: list[tuple[tuple[str, int, int], int]] = []
+        for group in groups:
+            spec = await self._spec(group[0])
+            if spec is not None:  # else the run's record is gone: nobody trains the group
+                wanted.append((group, spec.samples_per_prompt))
+        rids = [request_id(*group, s) for group, n in wanted for s in range(n)]
+        by_group: dict[tuple[str, int, int], list[Sample]] = {}
+        for sample in await self.ledger.samples(rids):  # in (prompt, sample) order
+            run_id, step, prompt, _ = names.parse_request_id(sample.request_id)
+            by_group.setdefault((run_id, step, prompt), []).append(sample)
+        for (run_id, step, prompt), _ in wanted:
+            event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt,
+                                     samples=by_group.get((run_id, step, prompt), [])))
+            if len(event) > MESSAGE_BUDGET:  # the trainer pages it in after the barrier
+                event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt))
+            await self.nc.publish(names.group_subject(run_id), event)
 
     async def barrier(self, run_id: str, step: int) -> None:
         """Every response of the step is complete, once: freeze the digest and announce it."""
