@@ -29,6 +29,9 @@ from sim.config import ABLATIONS, RESERVED_ONLY, RLBOOST, Cluster, Costs, Policy
 from sim.outcome import Outcome, simulate
 
 TOLERANCE = 0.10
+# Where a step's time goes, emulated vs simulated (step records of both): the diagnosis of a
+# ratio outside the tolerance.
+PHASES = ("seeding_window_s", "rollout_s", "train_s", "trainer_idle_s")
 # bench-paper's policies and the simulator's, by their letter.
 SIM_POLICY: dict[str, Policy] = {"a": RESERVED_ONLY, "b": RLBOOST, "c1": ABLATIONS[0],
                                  "c2": ABLATIONS[1], "c3": ABLATIONS[2]}
@@ -122,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         note = "calibration" if key == "a" else ("yes" if good else "NO")
         print(f"{policy.name:<28} {emu.tokens_per_s:>10,.0f} {sim.tokens_per_s:>10,.0f} "
               f"{r_tps:>6.2f}  {emu_step:>10.2f} {sim.step_s:>10.2f} {r_step:>6.2f}  {note}")
+    print(f"\nmean seconds per step, emulated / simulated: {', '.join(PHASES)}")
+    for policy in chosen:
+        key = letter(policy)
+        emu, sim = emulated[key], run_sim(SIM_POLICY[key], setup, host)
+        cells = "  ".join(f"{emu.total(k) / len(emu.steps):>6.2f} / {sim.mean(k):<6.2f}"
+                          for k in PHASES)
+        print(f"{policy.name:<28} {cells}")
     print(f"\nsimulator within +-10 % of the emulation on every checked policy: "
           f"{'yes' if ok else 'NO'} ({time.monotonic() - started:.0f}s in all)")
     return 0 if ok else 1
