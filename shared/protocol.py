@@ -413,7 +413,7 @@ class StepFinish(Msg):
     loss: float
     train_s: float
     trainer_idle_s: float = 0.0
-    publish_s: float = 0.0  # of train_s: uploading the new version to the weight service
+    publish_s: float = 0.0  # of train_s: writing the new version (and checkpoint), uploading it
     checkpoints: list[int] = []  # versions kept for the user after this step (save_every)
     stats: dict[str, float] = {}  # training statistics, names from STEP_STATS
     prompts: list[PromptText] = []  # the step's prompts as text, where there is a tokenizer

@@ -81,3 +81,22 @@ def test_a_step_larger_than_one_message_still_trains(
                 assert size > 1024 * 1024  # the setting: more than one message could carry
     finally:
         cluster.stop()
+
+
+def test_publish_time_covers_writing_the_version(brokers: Stack, tmp_path: Path) -> None:
+    """``publish_s`` is the whole publish, the write of the version included: the seeding
+    controller takes it out of the training a window can overlap, and with only the upload
+    in it an emulated 11.3 s publish pinned the adaptive window at 0 s."""
+    env = {**FAST, "RLBOOST_EMU_PUBLISH_S": "0.6"}
+    cluster = start_cluster(tmp_path, brokers, spot=0, reserved=1, engine="emu", env=env)
+    spec = {**SPEC, "steps": 3}
+    try:
+        with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=10) as client:
+            run_id = client.post("/v1/runs", json=spec).json()["id"]
+            assert wait_run(client, run_id, 120, cluster)["state"] == "succeeded"
+            steps = client.get(f"/v1/runs/{run_id}/steps").json()
+    finally:
+        cluster.stop()
+    assert len(steps) == spec["steps"]
+    for s in steps:  # time scale 1: the emulated write sleeps 0.6 s of each step's training
+        assert 0.6 <= s["publish_s"] <= s["train_s"], s
