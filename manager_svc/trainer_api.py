@@ -219,8 +219,14 @@ class TrainerApi:
         done = float(info.get("rollout_done_at", now))
         spot_first = float(info.get("spot_first_at", done))
         spot = [i for i in await self.registry.instances() if i["kind"] == "spot"]
-        # The window actually seen by the reserved side: it ends early at the barrier.
-        window = min(float(info.get("window_s", 0.0)), done - started)
+        # The span the reserved side generated over: its window, ended early by the barrier;
+        # or, never handed off (no spot instance was there to take its work), the whole
+        # rollout. Taking the window for it then read a warm-up step without spot (every
+        # token reserved, 1 s window) as 122,377 tok/s, about 9x the truth, and held the
+        # next windows at W/r = 1 s, too short to measure again.
+        handed_off = info.get("reserved_free") == "1"
+        window = min(float(info.get("window_s", 0.0)) if handed_off else math.inf,
+                     done - started)
         state = await self._seeding(fin.run_id)
         observe(state, {
             "tokens": fin.digest.tokens, "tokens_reserved": int(info.get("tokens_reserved", 0)),
@@ -231,6 +237,10 @@ class TrainerApi:
             "spot_joined": [float(i["joined_at"]) - started for i in spot],
         })
         await self.redis.hset(Keys.seeding(fin.run_id), mapping=state.dump())
+        log.info("seeding after step %d of %s: reserved %.0f tok/s, spot %.0f tok/s each, "
+                 "spot ready %.2fs, training %.2e s/token, feedback scale %.3f", fin.step,
+                 fin.run_id, state.reserved_rate, state.spot_rate_each, state.spot_ready_s,
+                 state.train_s_per_token, state.scale)
 
     async def on_record(self, query: StepRecordQuery) -> StepRecord:
         """A finished step's record, for the trainer's experiment trackers."""

@@ -368,6 +368,9 @@ class Simulator:
         now = self.clock.now
         tokens = sum(r.length for r in step.responses)
         window = min(step.window, step.barrier_at - step.started)
+        # The span the reserved side generated over, as the manager measures it: the window,
+        # or, never handed off (no spot to take the work), the whole rollout.
+        generated = step.barrier_at - step.started if not step.reserved_free else window
         spot_first = step.spot_first_at if step.spot_first_at is not None else step.barrier_at
         record = {
             "step": step.index, "tokens": tokens, "responses": len(step.responses),
@@ -387,7 +390,7 @@ class Simulator:
         spot_now = len(spot_rows)
         observe(self.seeding, {
             "tokens": tokens, "tokens_reserved": step.tokens_reserved,
-            "tokens_spot": step.tokens_spot, "window_s": window, "train_s": t.busy_s,
+            "tokens_spot": step.tokens_spot, "window_s": generated, "train_s": t.busy_s,
             "spot_ready_s": spot_first - step.started, "spot_busy_s": step.barrier_at - spot_first,
             "spot_count": spot_now, "publish_s": self.costs.publish_s,
             "spot_joined": [float(i["joined_at"]) - step.started for i in spot_rows]})

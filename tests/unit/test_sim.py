@@ -86,6 +86,19 @@ def test_seeding_pays_off_and_reserved_only_uses_no_spot() -> None:
     assert all(s["tokens_spot"] > 0 for s in boost.steps)
 
 
+def test_a_step_never_handed_off_measures_the_reserved_rate_over_its_rollout() -> None:
+    # No spot instance: the window ends with nobody to hand to, and the reserved side makes
+    # every token over the whole rollout. Over the 1 s window instead, the rate reads many
+    # times too high and caps the next windows at W/r, too short to measure it again.
+    work = Workload(prompts=32, samples=8, max_new_tokens=256, mean_tokens=64.0, seed=3)
+    sim = Simulator(work, COSTS, Cluster(reserved_gpus=2, spot_counts=[0]), RLBOOST)
+    sim.run(0.0, warmup_steps=1)
+    [record] = sim.records
+    assert record["tokens_reserved"] == record["tokens"] and record["seeding_window_s"] > 0
+    assert record["rollout_s"] > 2 * record["seeding_window_s"]
+    assert sim.seeding.reserved_rate == pytest.approx(record["tokens"] / record["rollout_s"])
+
+
 def test_lease_plan_gives_fair_shares_reserved_first_within_capacity() -> None:
     rows = [{"id": "s", "kind": "spot", "held": 0, "capacity": 100},
             {"id": "r", "kind": "reserved", "held": 2, "capacity": 4}]
