@@ -62,7 +62,7 @@ CREATE_CONSUMER = (f"$JS.API.CONSUMER.CREATE.{names.CHUNK_STREAM}.{names.CHUNK_C
 UNPIN = f"$JS.API.CONSUMER.UNPIN.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 INGEST_GROUP = "managers"  # the consumer's one priority group: every replica pulls in it
 PIN_HEADER = "Nats-Pin-Id"
-VOCAB_CACHE = 64  # steps whose vocabulary size, and runs whose spec, are remembered
+CACHE_SIZE = 64  # steps whose vocabulary size, and runs whose spec, are remembered
 
 
 async def bind_consumer(nc: Nats, ack_wait_s: float) -> None:
@@ -278,7 +278,7 @@ class ChunkIngest:
         if size is None:
             stored = await self.redis.hget(skey, "vocab")
             size = int(stored or 0)
-            if len(self._vocab) >= VOCAB_CACHE:
+            if len(self._vocab) >= CACHE_SIZE:
                 self._vocab.clear()
             # Written with the step's creation, so once there it is final, 0 (not checked)
             # included: not caching 0 cost a Redis round trip per entry of such runs.
@@ -291,7 +291,7 @@ class ChunkIngest:
         if spec is None:
             spec = await self.runs.spec(run_id)  # a read and a decode: once, not per group
             if spec is not None:
-                if len(self._specs) >= VOCAB_CACHE:
+                if len(self._specs) >= CACHE_SIZE:
                     self._specs.clear()
                 self._specs[run_id] = spec
         return spec

@@ -229,7 +229,7 @@ class RunStore:
         rids = sorted(set().union(*await pipe.execute()))
         for i in range(0, len(rids), DROP_BATCH):
             await self.r.delete(*[k for r in rids[i:i + DROP_BATCH]
-                                  for k in (Keys.request(r), Keys.tokens(r))])
+                                  for k in Keys.response(r)])
         await self.r.delete(Keys.samples(run_id, step), *sets)
 
     async def retire(self, run_id: str) -> None:
@@ -272,7 +272,7 @@ class RunStore:
             for key in sets:
                 pipe.smembers(key)
             keys += [k for rid in set().union(*await pipe.execute())
-                     for k in (Keys.request(rid), Keys.tokens(rid))]
+                     for k in Keys.response(rid)]
             keys += [Keys.step(run_id, n), Keys.samples(run_id, n), *sets]
         return keys
 

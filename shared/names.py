@@ -195,6 +195,11 @@ class Keys:
         return Keys.request(rid) + TOKENS_SUFFIX
 
     @staticmethod
+    def response(rid: str) -> tuple[str, str]:
+        """Every key one response owns (its hash and its tokens): what dropping it deletes."""
+        return Keys.request(rid), Keys.tokens(rid)
+
+    @staticmethod
     def lease(rid: str) -> str:
         """"<instance>:<epoch>" with a TTL; its absence means the response is not owned."""
         return f"{PREFIX}:lease:{rid}"
