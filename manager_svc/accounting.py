@@ -285,6 +285,10 @@ class Ledger:
         if not rids:
             return []
         run_id, step, _, _ = parse_request_id(rids[0])
+        # The script takes one step's pending and leased sets: an id of another step would be
+        # leased against the wrong ones.
+        if any(parse_request_id(r)[:2] != (run_id, step) for r in rids):
+            raise ValueError(f"assign_many takes responses of one step, got {rids[0]}...")
         got = await self._assign(
             keys=[Keys.pending(run_id, step), Keys.leased(run_id, step), Keys.step(run_id, step)],
             args=[instance_id, self.lease_ttl_ms, time.time(), self._held_prefix,

@@ -104,6 +104,10 @@ async def test_one_script_leases_many_and_skips_what_is_taken(ledger: Ledger) ->
     # Every lease of the batch fences like a single one: the new owner's next offset commits.
     assert await outcome(ledger, chunk(rids[1], "i2", by[rids[1]].epoch, 1, [6])) == "ok"
     assert await ledger.assign_many(rids, "i4", 1.0, 0, 2) == []
+    # One step per call: an id of another step would be leased against this step's sets.
+    with pytest.raises(ValueError, match="one step"):
+        await ledger.assign_many([rids[0], f"{RUN}:1:0:0"], "i4", 1.0, 0, 2)
+    assert await ledger.r.scard(Keys.instance_held("i4")) == 0
 
 
 async def test_the_log_grows_by_the_new_tokens_not_the_whole_response(ledger: Ledger) -> None:
