@@ -37,6 +37,7 @@ from typing import Any
 
 DEFAULT_WINDOW_S = 1.0  # first step of an adaptive run, before anything is measured
 GAIN = 0.5  # feedback gain (module doc)
+COUNTS = ("spot_count", "reserved_count")  # the state's integer fields
 
 
 @dataclass(slots=True)
@@ -49,13 +50,14 @@ class SeedingState:
     train_s_per_token: float = 0.0  # c
     spot_count: int = 0  # spot instances alive when the window was chosen
     scale: float = 0.0  # feedback window / w* of the last step; 0 = not measured yet
+    reserved_count: int = 0  # reserved instances at the last step's end; 0 = not known
 
     @classmethod
     def load(cls, raw: dict[str, str]) -> SeedingState:
         state = cls()
         for key, value in raw.items():
             if hasattr(state, key):
-                setattr(state, key, int(value) if key == "spot_count" else float(value))
+                setattr(state, key, int(value) if key in COUNTS else float(value))
         return state
 
     def dump(self) -> dict[str, Any]:
@@ -65,7 +67,13 @@ class SeedingState:
 def optimal_window(state: SeedingState, spot_count: float) -> float:
     """w* of the module docstring for ``spot_count`` live spot instances."""
     W, r, c, a = state.tokens, state.reserved_rate, state.train_s_per_token, state.spot_ready_s
-    s = state.spot_rate_each * spot_count
+    each = state.spot_rate_each
+    if each <= 0 and r > 0 and state.reserved_count > 0:
+        # Unmeasured (no spot instance generated yet): assume one is like a reserved one.
+        # Taking none (co-located, W/r) gave a step with 11 spot instances, after a warm-up
+        # they came too late for, a 21.6 s window where 3.1 s was best (bench-sim-check, (c3)).
+        each = r / state.reserved_count
+    s = each * spot_count
     if W <= 0 or (r <= 0 and s <= 0):
         return state.window_s  # nothing measured yet: keep the current guess
     if r <= 0:
@@ -132,8 +140,9 @@ def observe(state: SeedingState, step: dict[str, Any]) -> None:
 
     ``step`` holds: tokens, tokens_reserved, tokens_spot, window_s, train_s, spot_ready_s,
     spot_busy_s (wall time spot instances spent generating), spot_count (at the step's end)
-    and optionally publish_s (the part of train_s spent publishing the new version) and
-    spot_joined (:func:`_working_spot`).
+    and optionally publish_s (the part of train_s spent publishing the new version),
+    spot_joined (:func:`_working_spot`) and reserved_count (instances, for the prior of
+    :func:`optimal_window`).
 
     The spot instances that did the step's work are :func:`_working_spot`: with the end's
     count alone, a step that ran on 8 instances and ended on 2 read as 4x the rate per
@@ -149,10 +158,14 @@ def observe(state: SeedingState, step: dict[str, Any]) -> None:
     count = _working_spot(state, step)
     if step["tokens_spot"] > 0 and step["spot_busy_s"] > 0 and count > 0:
         state.spot_rate_each = step["tokens_spot"] / step["spot_busy_s"] / count
-    state.spot_ready_s = max(0.0, float(step["spot_ready_s"]))
+    if "reserved_count" in step:
+        state.reserved_count = int(step["reserved_count"])
+    spot_worked = step["tokens_spot"] > 0
+    if spot_worked:  # else no spot token came: the time to one is not measured
+        state.spot_ready_s = max(0.0, float(step["spot_ready_s"]))
     train = float(step["train_s"]) - float(step.get("publish_s", 0.0))
     state.train_s_per_token = max(0.0, train) / state.tokens
-    if state.reserved_rate > 0 and state.spot_rate_each > 0 and count > 0:
+    if spot_worked and state.reserved_rate > 0 and state.spot_rate_each > 0 and count > 0:
         window = float(step["window_s"])
         imbalance = state.spot_ready_s + float(step["spot_busy_s"]) - window - max(0.0, train)
         model = optimal_window(state, count)

@@ -218,14 +218,17 @@ class TrainerApi:
         started = float(info["started_at"])
         done = float(info.get("rollout_done_at", now))
         spot_first = float(info.get("spot_first_at", done))
-        spot = [i for i in await self.registry.instances() if i["kind"] == "spot"]
+        everyone = await self.registry.instances()
+        spot = [i for i in everyone if i["kind"] == "spot"]
         # The span the reserved side generated over: its window, ended early by the barrier;
-        # or, never handed off (no spot instance was there to take its work), the whole
-        # rollout. Taking the window for it then read a warm-up step without spot (every
-        # token reserved, 1 s window) as 122,377 tok/s, about 9x the truth, and held the
-        # next windows at W/r = 1 s, too short to measure again.
+        # or, never handed off (no spot instance was there to take its work), until its last
+        # token. Taking the window for it then read a warm-up step without spot (every
+        # token reserved, 1 s window) as 122,377 tok/s, about 9x the truth; and the whole
+        # rollout read one whose spot instances came late and took the rest as 96 tok/s,
+        # about 60x too low (bench-sim-check, (b)).
         handed_off = info.get("reserved_free") == "1"
-        window = min(float(info.get("window_s", 0.0)) if handed_off else math.inf,
+        last = float(info.get("reserved_last_at", done))
+        window = min(float(info.get("window_s", 0.0)) if handed_off else last - started,
                      done - started)
         state = await self._seeding(fin.run_id)
         observe(state, {
@@ -233,6 +236,7 @@ class TrainerApi:
             "tokens_spot": int(info.get("tokens_spot", 0)), "window_s": window,
             "train_s": fin.train_s, "spot_ready_s": spot_first - started,
             "spot_busy_s": done - spot_first, "spot_count": len(spot),
+            "reserved_count": sum(1 for i in everyone if i["kind"] == "reserved"),
             "publish_s": fin.publish_s,
             "spot_joined": [float(i["joined_at"]) - started for i in spot],
         })

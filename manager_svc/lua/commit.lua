@@ -9,7 +9,7 @@
 local now, held_prefix, req_prefix, lease_prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 -- Step counters are summed here and written once per script: Redis time per chunk is the
 -- commit's ceiling, and the script is atomic, so nobody can see them half-applied.
-local counts, firsts = {}, {}
+local counts, firsts, lasts = {}, {}, {}
 local function count(step, field, by)
   counts[step] = counts[step] or {}
   counts[step][field] = (counts[step][field] or 0) + by
@@ -66,6 +66,7 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
     count(step, 'tokens', ntok)
     count(step, 'tokens_' .. kind, ntok)
     firsts[step .. '|' .. kind] = {step, kind .. '_first_at'}
+    lasts[step .. '|' .. kind] = {step, kind .. '_last_at'}
     if st[6] ~= inst then
       csv_append(req, 'instances', inst)
       redis.call('HSET', req, 'last', inst)
@@ -97,4 +98,7 @@ for step, fields in pairs(counts) do
   for field, by in pairs(fields) do redis.call('HINCRBY', step, field, by) end
 end
 for _, first in pairs(firsts) do redis.call('HSETNX', first[1], first[2], now) end
+-- When each kind last generated: a step's reserved side may stop long before its barrier
+-- (spot instances joined late took the rest), and its rate is measured up to here.
+for _, last in pairs(lasts) do redis.call('HSET', last[1], last[2], now) end
 return table.concat(out, ',')  -- one string: far cheaper to parse than a reply per chunk

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from manager_svc.accounting import Ledger
@@ -59,6 +60,30 @@ async def test_commit_in_order_then_duplicates_are_dropped(ledger: Ledger) -> No
     info = await ledger.r.hgetall(Keys.step(RUN, 0))
     assert int(info["tokens"]) == 4
     assert int(info["duplicate_chunks_dropped"]) == 2
+
+
+async def test_each_kind_of_instance_records_when_it_first_and_last_generated(
+        ledger: Ledger) -> None:
+    """The seeding controller measures the reserved rate up to the reserved side's last token:
+    a step whose late spot instances took the rest would read it many times too low over the
+    whole rollout."""
+    rids = [f"{RUN}:0:0:0", f"{RUN}:0:0:1"]
+    leases = [await ledger.assign(r, i, 1.0, 0, 2) for r, i in zip(rids, ("r1", "s1"), strict=True)]
+    assert leases[0] is not None and leases[1] is not None
+    first = TokenFrame(instance_id="r1", kind="reserved", entries=chunk(
+        rids[0], "r1", leases[0].epoch, 0, [5]).entries)
+    assert await outcome(ledger, first) == "ok"
+    info = await ledger.r.hgetall(Keys.step(RUN, 0))
+    assert info["reserved_first_at"] == info["reserved_last_at"] and "spot_last_at" not in info
+    await asyncio.sleep(0.02)
+    assert await outcome(ledger, msgspec.structs.replace(first, entries=chunk(
+        rids[0], "r1", leases[0].epoch, 1, [6]).entries)) == "ok"
+    assert await outcome(ledger, chunk(rids[1], "s1", leases[1].epoch, 0, [7])) == "ok"
+    after = await ledger.r.hgetall(Keys.step(RUN, 0))
+    assert after["reserved_first_at"] == info["reserved_first_at"]
+    assert float(after["reserved_last_at"]) > float(info["reserved_last_at"])
+    assert float(after["spot_last_at"]) >= float(after["reserved_last_at"])
+    assert int(after["tokens_reserved"]) == 2 and int(after["tokens_spot"]) == 1
 
 
 async def test_stale_epoch_is_fenced_and_migration_resumes(ledger: Ledger) -> None:
