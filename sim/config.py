@@ -85,6 +85,12 @@ class Costs:
     peer_bytes_s: float = 0.0  # what a holder of the version serves to peers
     control_s: float = 0.0  # manager round trip before an assignment starts generating
     handoff_s: float = 0.0  # reserved side's flush at the end of the seeding window
+    # Control-plane latencies a step pays whatever the policy: a complete group (and the
+    # barrier) reaches the trainer this long after its last token (ingest, the manager's
+    # announce, the trainer's fetch); and from the trainer's publish to the step's end (its
+    # report, the next step's creation). Zero for the paper regime, measured on the emulation.
+    barrier_s: float = 0.0
+    report_s: float = 0.0
     dispatch_interval_s: float = 0.25  # the dispatcher's periodic pass (rebalancing)
     chunk_tokens: int = 32  # tokens per commit: a move without flush loses the uncommitted
     grace_s: float = 10.0  # notice to hard stop, billed
@@ -94,13 +100,13 @@ class Costs:
 
     @classmethod
     def emulation(cls, model: str, max_batch: int = 64, grace_s: float = 10.0,
-                  publish_s: float = 0.0, start_s: float = 0.0, host_step_s: float = 0.0
-                  ) -> Costs:
+                  publish_s: float = 0.0, start_s: float = 0.0, host_step_s: float = 0.0,
+                  barrier_s: float = 0.0, report_s: float = 0.0) -> Costs:
         """The emulation's charges: what bench-paper's services sleep with these settings
         (RLBOOST_EMU_PUBLISH_S, RLBOOST_EMU_START_S, RLBOOST_GRACE_S)."""
         return cls(serving_model(model), PRESETS[model], max_batch=max_batch,
                    publish_s=publish_s, spot_start_s=start_s, grace_s=grace_s,
-                   host_step_s=host_step_s)
+                   host_step_s=host_step_s, barrier_s=barrier_s, report_s=report_s)
 
     @classmethod
     def paper(cls, model: str, grace_s: float = 120.0) -> Costs:

@@ -66,17 +66,20 @@ class Result:
 
 
 def simulate(policy: Policy, workload: Workload, costs: Costs, cluster: Cluster,
-             span_s: float, skew: int = 8, warmup_steps: int = 1) -> Outcome:
+             span_s: float, skew: int = 8, warmup_steps: int = 1,
+             steps: int | None = None) -> Outcome:
     """Run ``policy`` for ``span_s`` simulated seconds after its warm-up steps; measure the
-    steps that finished inside the span."""
+    steps that finished inside the span, or with ``steps`` the first that many after the
+    warm-up however long they take (to compare step for step with a run that had them: a
+    span holds whole steps only, so two ~22 s steps in 50 s become one at 26 s)."""
     sim = Simulator(workload, costs, cluster, policy, rebalance_skew=skew)
-    t0, deadline = sim.run(span_s, warmup_steps)
-    steps = [r for r in sim.records[warmup_steps:] if r["finished_at"] <= deadline]
-    if not steps:
+    t0, deadline = sim.run(span_s, warmup_steps, steps)
+    measured = [r for r in sim.records[warmup_steps:] if r["finished_at"] <= deadline]
+    if not measured:
         raise RuntimeError(f"{policy.name}: no step finished inside {span_s:.0f}s")
-    start, end = steps[0]["started_at"], steps[-1]["finished_at"]
+    start, end = measured[0]["started_at"], measured[-1]["finished_at"]
     reserved, spot = sim.gpu_seconds(start, end)
     history = [(t0 + t - start, c) for t, c in zip(cluster.spot_times, cluster.spot_counts,
                                                     strict=True)] if policy.spot else []
-    return Outcome(policy.name, steps, end - start, reserved, spot, history,
+    return Outcome(policy.name, measured, end - start, reserved, spot, history,
                    sim.clock.processed)

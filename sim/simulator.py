@@ -43,7 +43,9 @@ class Step:
     window_serial: int = 0  # the pending window-end event carries it; a moved end is new
     reserved_free: bool = False
     barrier_at: float | None = None
+    barrier_seen: bool = False  # the trainer knows of the barrier (Costs.barrier_s after it)
     spot_first_at: float | None = None
+    reserved_last_at: float | None = None  # the reserved side's last token (commit.lua's)
     tokens_reserved: int = 0
     tokens_spot: int = 0
     migrations: int = 0
@@ -85,10 +87,12 @@ class Simulator:
 
     # --- running ------------------------------------------------------------------------
 
-    def run(self, span_s: float, warmup_steps: int = 1) -> tuple[float, float]:
+    def run(self, span_s: float, warmup_steps: int = 1,
+            steps: int | None = None) -> tuple[float, float]:
         """Run ``warmup_steps`` with the trace's first count up, then replay the trace from
         the next step's start for ``span_s`` (looping it if the span outlasts it, as the
-        benchmark's trace player does). Returns the measured span's (start, end)."""
+        benchmark's trace player does), or with ``steps`` only until that many more steps
+        have finished. Returns the measured span's (start, end)."""
         times, counts = self.cluster.spot_times, self.cluster.spot_counts
         if self.policy.spot:
             self.fleet.set_spot(counts[0], warm=self.cluster.spot_join_at_start)
@@ -101,8 +105,11 @@ class Simulator:
                 for t, c in zip(times, counts, strict=True):
                     if (lap or t > 0) and lap * length + t < span_s:
                         self.clock.at(t0 + lap * length + t, partial(self.fleet.set_spot, c))
-        self.clock.run_until(t0 + span_s)
-        return t0, t0 + span_s
+        if steps is None:
+            self.clock.run_until(t0 + span_s)
+            return t0, t0 + span_s
+        self.clock.run_until(t0 + span_s, lambda: len(self.records) >= warmup_steps + steps)
+        return t0, self.clock.now
 
     # --- the step -----------------------------------------------------------------------
 
@@ -321,6 +328,8 @@ class Simulator:
             step.tokens_spot += tokens
         else:
             step.tokens_reserved += tokens
+            if tokens:
+                step.reserved_last_at = self.clock.now
         for r in finished:
             r.done, r.owner = True, None
             inst.held.remove(r)
@@ -330,11 +339,24 @@ class Simulator:
                 self.audit.append((step.index, r.prompt, r.sample, r.committed - r.length))
             step.open_groups[r.prompt] -= 1
             if step.open_groups[r.prompt] == 0:
-                self.trainer.queue.append(r.prompt)
+                self._to_trainer(partial(self.trainer.queue.append, r.prompt))
         if step.remaining == 0 and step.barrier_at is None:
             step.barrier_at = self.clock.now
+            self._to_trainer(partial(setattr, step, "barrier_seen", True))
         if finished:
             self._train_next()
+
+    def _to_trainer(self, news: Any) -> None:
+        """What the manager tells the trainer (a group complete, the barrier): it arrives
+        Costs.barrier_s later, the control plane's latency from the last token."""
+        if self.costs.barrier_s <= 0:
+            news()
+            return
+
+        def arrive() -> None:
+            news()
+            self._train_next()
+        self.clock.after(self.costs.barrier_s, arrive)
 
     # --- the trainer ---------------------------------------------------------------------
 
@@ -342,13 +364,13 @@ class Simulator:
         t, step = self.trainer, self.step
         if step is None or t.training or t.finishing:
             return
-        if t.queue and (step.reserved_free or step.barrier_at is not None):
+        if t.queue and (step.reserved_free or step.barrier_seen):
             prompt = t.queue.pop(0)
             group = step.responses[prompt * self.workload.samples:
                                    (prompt + 1) * self.workload.samples]
             tokens = sum(r.prompt_tokens + r.length for r in group)
             self._busy(tokens * self.costs.compute.seconds_per_token, self._trained)
-        elif not t.queue and step.barrier_at is not None:
+        elif not t.queue and step.barrier_seen:
             t.finishing = True
             self._busy(self.costs.compute.optimizer_step_s + self.costs.publish_s,
                        self._published)
@@ -363,36 +385,47 @@ class Simulator:
         self._train_next()
 
     def _published(self) -> None:
+        if self.costs.report_s > 0:  # the report's way back, and the next step's creation
+            self.clock.after(self.costs.report_s, self._step_end)
+        else:
+            self._step_end()
+
+    def _step_end(self) -> None:
         step, t = self.step, self.trainer
         assert step is not None and step.barrier_at is not None
         now = self.clock.now
         tokens = sum(r.length for r in step.responses)
         window = min(step.window, step.barrier_at - step.started)
         # The span the reserved side generated over, as the manager measures it: the window,
-        # or, never handed off (no spot to take the work), the whole rollout.
-        generated = step.barrier_at - step.started if not step.reserved_free else window
+        # or, never handed off (no spot to take the work), until its last token.
+        last = step.reserved_last_at if step.reserved_last_at is not None else step.barrier_at
+        generated = min(last, step.barrier_at) - step.started if not step.reserved_free \
+            else window
         spot_first = step.spot_first_at if step.spot_first_at is not None else step.barrier_at
         record = {
             "step": step.index, "tokens": tokens, "responses": len(step.responses),
             "started_at": step.started, "finished_at": now, "step_s": now - step.started,
             "rollout_s": step.barrier_at - step.started, "train_s": t.busy_s,
-            "trainer_idle_s": now - step.started - t.busy_s,
+            "trainer_idle_s": now - self.costs.report_s - step.started - t.busy_s,
             "publish_s": self.costs.publish_s, "seeding_window_s": step.window,
             "window_seen_s": window, "tokens_reserved": step.tokens_reserved,
             "tokens_spot": step.tokens_spot, "migrations": step.migrations,
             "tokens_regenerated": step.regenerated, "spot_count": self.seeding.spot_count,
             "spot_first_s": spot_first - step.started,
+            "reserved_last_s": min(last, step.barrier_at) - step.started,
             "tail_s": step.barrier_at - step.started - window,
-            "train_tail_s": now - step.barrier_at - self.costs.publish_s
+            "train_tail_s": now - self.costs.report_s - step.barrier_at - self.costs.publish_s
             - self.costs.compute.optimizer_step_s,
         }
-        spot_rows = [i for i in self._registered() if i["kind"] == "spot"]
+        registered = self._registered()
+        spot_rows = [i for i in registered if i["kind"] == "spot"]
         spot_now = len(spot_rows)
         observe(self.seeding, {
             "tokens": tokens, "tokens_reserved": step.tokens_reserved,
             "tokens_spot": step.tokens_spot, "window_s": generated, "train_s": t.busy_s,
             "spot_ready_s": spot_first - step.started, "spot_busy_s": step.barrier_at - spot_first,
             "spot_count": spot_now, "publish_s": self.costs.publish_s,
+            "reserved_count": sum(1 for i in registered if i["kind"] == "reserved"),
             "spot_joined": [float(i["joined_at"]) - step.started for i in spot_rows]})
         self.records.append(record)
         self.trainer = Trainer()

@@ -64,6 +64,31 @@ def test_every_response_completes_exactly_once_through_preemptions() -> None:
             assert sum(rec["migrations"] for rec in sim.records) > 0, "the drops moved nothing"
 
 
+def test_control_plane_latencies_lengthen_each_step_where_the_emulation_pays_them() -> None:
+    # Reserved-only trains after the barrier: it learns of it barrier_s late, and the step
+    # ends report_s after the publish; the rollout itself is unchanged.
+    cluster = Cluster(reserved_gpus=2, spot_counts=[0])
+    base = simulate(RESERVED_ONLY, WORK, COSTS, cluster, 1000.0, steps=2)
+    slow = simulate(RESERVED_ONLY, WORK, replace(COSTS, barrier_s=0.5, report_s=0.25), cluster,
+                    1000.0, steps=2)
+    for b, s in zip(base.steps, slow.steps, strict=True):
+        assert s["rollout_s"] == pytest.approx(b["rollout_s"])
+        assert s["step_s"] == pytest.approx(b["step_s"] + 0.75)
+        assert s["trainer_idle_s"] == pytest.approx(s["rollout_s"] + 0.5)
+        assert s["step_s"] - s["train_s"] - s["trainer_idle_s"] == pytest.approx(0.25)
+
+
+def test_a_count_of_steps_is_measured_whatever_the_span_holds() -> None:
+    # A span holds whole steps only: compared step for step with a run that had three, the
+    # simulator measures three, not the one or two that finish inside the same span.
+    span = simulate(RLBOOST, WORK, COSTS, CHURN, 4.0)
+    counted = simulate(RLBOOST, WORK, COSTS, CHURN, 1000.0, steps=3)
+    assert len(counted.steps) == 3 and len(span.steps) < 3
+    assert counted.steps[:len(span.steps)] == span.steps
+    assert counted.window_s == pytest.approx(
+        counted.steps[-1]["finished_at"] - counted.steps[0]["started_at"])
+
+
 def test_spot_is_billed_from_grant_through_the_grace_period() -> None:
     cluster = Cluster(reserved_gpus=1, spot_times=[0.0, 4.0], spot_counts=[2, 0],
                       trace_length_s=1000.0)
@@ -124,6 +149,46 @@ def test_no_policy_beats_the_ideal_bound() -> None:
             bound = ideal.step_bound(work, COSTS, s["step"], 2, spot)
             assert bound.critical_s > 0 and bound.work_s > 0
             assert bound.step_s <= s["step_s"], (policy.name, s["step"])
+
+
+def test_a_step_whose_spot_came_late_measures_the_reserved_rate_to_its_last_token() -> None:
+    # Spot instances boot after the 1 s window: nobody to hand to, so the reserved side keeps
+    # its responses, then the spot instances take all that is left. Over the whole rollout
+    # the reserved rate reads many times too low; up to its last token it is the rate it had.
+    work = Workload(prompts=32, samples=8, max_new_tokens=256, mean_tokens=64.0, seed=3)
+    late = replace(COSTS, spot_start_s=4.0)
+    alone = Simulator(work, COSTS, Cluster(reserved_gpus=2, spot_counts=[0]), RLBOOST)
+    alone.run(0.0, warmup_steps=1)
+    sim = Simulator(work, late, Cluster(reserved_gpus=2, spot_counts=[6],
+                                        spot_join_at_start=False), RLBOOST)
+    sim.run(0.0, warmup_steps=1)
+    [record] = sim.records
+    assert 0 < record["tokens_reserved"] < record["tokens"] and record["tokens_spot"] > 0
+    span = record["reserved_last_s"]
+    assert record["seeding_window_s"] < span < record["rollout_s"]
+    assert sim.seeding.reserved_rate == pytest.approx(record["tokens_reserved"] / span)
+    whole = record["tokens_reserved"] / record["rollout_s"]
+    assert sim.seeding.reserved_rate > 1.5 * whole
+    assert sim.seeding.reserved_rate > 0.5 * alone.seeding.reserved_rate
+
+
+def test_unmeasured_spot_is_taken_as_fast_as_a_reserved_instance() -> None:
+    # A warm-up without spot measured the reserved side only: with 11 spot instances now,
+    # the window is the model's for spot at the reserved rate per instance, not W/r (all on
+    # the reserved side); and the time to a first spot token stays unmeasured (0), not the
+    # rollout's length.
+    state = SeedingState(spot_count=0)
+    observe(state, {"tokens": 8000, "tokens_reserved": 8000, "tokens_spot": 0,
+                    "window_s": 10.0, "train_s": 4.0, "spot_ready_s": 10.0,
+                    "spot_busy_s": 0.0, "spot_count": 0, "reserved_count": 8})
+    assert state.reserved_rate == 800.0 and state.spot_rate_each == 0.0
+    assert state.spot_ready_s == 0.0 and state.reserved_count == 8
+    r, s, c = 800.0, 11 * 100.0, 4.0 / 8000
+    assert optimal_window(state, 11) == pytest.approx((8000 - c * 8000 * s) / (s + r))
+    assert next_window(state, 11) < 0.5 * 8000 / 800
+    assert SeedingState.load({k: str(v) for k, v in state.dump().items()}) == state
+    unknown = SeedingState(tokens=8000, reserved_rate=800.0)  # no count: nothing to go on
+    assert optimal_window(unknown, 11) == 10.0
 
 
 def test_seeding_measures_spot_rate_on_the_instances_that_did_the_work() -> None:
