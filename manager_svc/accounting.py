@@ -282,24 +282,54 @@ class Ledger:
     ) -> list[Assignment]:
         """Lease responses of one step to one instance in one atomic script; those another
         pass took (or that are done) are left out of the result."""
-        if not rids:
-            return []
+        [got] = await self.assign_plan([(instance_id, rids)], temperature, seed, eos_token_id)
+        return got
+
+    async def assign_plan(
+        self, plan: list[tuple[str, list[str]]], temperature: float, seed: int,
+        eos_token_id: int,
+    ) -> list[list[Assignment]]:
+        """Lease each (instance, responses of one step) of ``plan``: one atomic script each,
+        all pipelined in one round trip, so a step's first pass over 128 instances waits for
+        Redis (and its fsync, appendfsync always) once, not 128 times in a row. Returns, per
+        entry, the assignments made (what another pass took or is done is left out)."""
+        out: list[list[Assignment]] = [[] for _ in plan]
+        calls = [(k, instance_id, rids) for k, (instance_id, rids) in enumerate(plan) if rids]
+        for _, _, rids in calls:
+            run_id, step, _, _ = parse_request_id(rids[0])
+            # The script takes one step's pending and leased sets: an id of another step
+            # would be leased against the wrong ones.
+            if any(parse_request_id(r)[:2] != (run_id, step) for r in rids):
+                raise ValueError(f"assign_many takes responses of one step, got {rids[0]}...")
+        if not calls:
+            return out
+        now = time.time()
+        if len(calls) == 1:
+            replies = [await self._assign(**self._assign_call(calls[0][1], calls[0][2], now))]
+        else:
+            pipe = self.r.pipeline(transaction=False)
+            for _, instance_id, rids in calls:
+                await self._assign(**self._assign_call(instance_id, rids, now), client=pipe)
+            replies = await pipe.execute()
+        for (k, _, rids), reply in zip(calls, replies, strict=True):
+            out[k] = self._assignments(rids, reply, temperature, seed, eos_token_id)
+        return out
+
+    def _assign_call(self, instance_id: str, rids: list[str], now: float) -> dict[str, Any]:
         run_id, step, _, _ = parse_request_id(rids[0])
-        # The script takes one step's pending and leased sets: an id of another step would be
-        # leased against the wrong ones.
-        if any(parse_request_id(r)[:2] != (run_id, step) for r in rids):
-            raise ValueError(f"assign_many takes responses of one step, got {rids[0]}...")
-        got = await self._assign(
-            keys=[Keys.pending(run_id, step), Keys.leased(run_id, step), Keys.step(run_id, step)],
-            args=[instance_id, self.lease_ttl_ms, time.time(), self._held_prefix,
-                  Keys.request(""), Keys.lease(""), *rids],
-        )
+        return {"keys": [Keys.pending(run_id, step), Keys.leased(run_id, step),
+                         Keys.step(run_id, step)],
+                "args": [instance_id, self.lease_ttl_ms, now, self._held_prefix,
+                         Keys.request(""), Keys.lease(""), *rids]}
+
+    def _assignments(self, rids: list[str], got: list[Any], temperature: float, seed: int,
+                     eos_token_id: int) -> list[Assignment]:
         out: list[Assignment] = []
         for rid, item in zip(rids, got, strict=True):
             if not item:
                 continue
             epoch, tokens, prompt, version, max_new = item
-            _, _, p, s = parse_request_id(rid)
+            run_id, step, p, s = parse_request_id(rid)
             out.append(Assignment(
                 request_id=rid, run_id=run_id, step=step, prompt_index=p, sample_index=s,
                 weight_version=int(version), epoch=int(epoch),

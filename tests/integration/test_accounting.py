@@ -135,6 +135,22 @@ async def test_one_script_leases_many_and_skips_what_is_taken(ledger: Ledger) ->
     assert await ledger.r.scard(Keys.instance_held("i4")) == 0
 
 
+async def test_a_plan_leases_to_many_instances_in_one_round_trip(ledger: Ledger) -> None:
+    rids = [f"{RUN}:0:{p}:{s}" for p in range(2) for s in range(2)]
+    assert await ledger.assign(rids[3], "i9", 1.0, 0, 2) is not None  # another pass took it
+    plan = [("i1", rids[:2]), ("i2", []), ("i3", rids[2:])]
+    got = await ledger.assign_plan(plan, 0.7, 5, 2)
+    assert [[a.request_id for a in g] for g in got] == [rids[:2], [], [rids[2]]]
+    assert await ledger.r.smembers(Keys.instance_held("i1")) == set(rids[:2])
+    assert await ledger.r.smembers(Keys.instance_held("i3")) == {rids[2]}
+    assert await ledger.r.get(Keys.lease(rids[2])) == "i3:1"
+    assert all(a.temperature == 0.7 and a.seed == 5 for g in got for a in g)
+    assert await ledger.r.scard(Keys.pending(RUN, 0)) == 0
+    assert await ledger.assign_plan([("i4", []), ("i5", [])], 1.0, 0, 2) == [[], []]
+    with pytest.raises(ValueError, match="one step"):
+        await ledger.assign_plan([("i4", [rids[0], f"{RUN}:1:0:0"])], 1.0, 0, 2)
+
+
 async def test_the_log_grows_by_the_new_tokens_not_the_whole_response(ledger: Ledger) -> None:
     """Redis logs a script by its effects: a response kept as one hash field rewritten per
     commit would grow the append-only file with the square of its length."""
