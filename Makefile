@@ -29,7 +29,7 @@ lint: venv
 
 # Cheapest tier first, so a broken unit fails in seconds rather than after the stack tests.
 TIERS  := tests/unit tests/integration tests/system
-PYTEST := $(BIN)/pytest -q -p no:cacheprovider
+PYTEST := $(BIN)/pytest -q -p no:cacheprovider --durations=25
 
 pytest: venv
 	$(PYTEST) $(TIERS)

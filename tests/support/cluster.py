@@ -40,4 +40,7 @@ def wait_run(client: httpx.Client, run_id: str, timeout_s: float, cluster: Clust
             dead = [c for c in cluster.dead() if c.name in ("manager", "trainer", "weights")]
             assert not dead, f"{dead[0].name} died:\n{dead[0].tail(40)}"
         time.sleep(0.3)
-    raise AssertionError(f"run {run_id} did not finish in {timeout_s}s: {run}")
+    # What the trainer was doing is the first thing a reader of a CI failure needs.
+    trainer = [c.tail(60) for c in (cluster.children if cluster else []) if c.name == "trainer"]
+    raise AssertionError(f"run {run_id} did not finish in {timeout_s}s: {run}\n"
+                         f"trainer log:\n{trainer[0] if trainer else '(no cluster given)'}")
