@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from manager_svc.crash import STEP_CREATE_COMMIT, STEP_CREATE_REQUESTS, CrashPoints
 from manager_svc.scripts import register
 from shared.names import Keys, parse_request_id, request_id
-from shared.protocol import Assignment, Sample, TokenFrame
+from shared.protocol import Assignment, Digest, Sample, TokenFrame, csv_digest
 
 log = logging.getLogger("manager")
 # Entries per commit script: frames are packed into one script until they reach this many (a
@@ -38,6 +38,9 @@ COMMIT_SLICE = 256
 # with appendfsync always, until its AOF write is synced): 512 kept a ping under ~120 ms and
 # the event loop's lag under ~25 ms while 100k responses were written (2,048: 330 ms, 50 ms).
 CREATE_BATCH = 512
+# Responses read by one script call: a reply stays a few MB even at reasoning lengths, and
+# Redis serves other clients between calls.
+READ_SLICE = 256
 _json = msgspec.json.Encoder()
 
 
@@ -95,6 +98,7 @@ class Ledger:
         self._create_step = register(redis, "create_step.lua")
         self._extend_step = register(redis, "extend_step.lua")
         self._close_step = register(redis, "close_step.lua")
+        self._read_samples = register(redis, "read_samples.lua")
         self._held_prefix = Keys.instance("")
         # The commit script finds a step's sets by suffix; names.Keys stays the one definition.
         base = Keys.step("r", 0)
@@ -360,25 +364,41 @@ class Ledger:
         lost = await self._renew_many(keys=[], args=args)
         return [str(r) for r in lost]
 
-    async def samples(self, rids: list[str]) -> list[Sample]:
+    async def _rows(self, rids: list[str]) -> list[list[str | None]]:
+        """Each response's stored (p, s, version, prompt, tokens, finish, instances), in
+        ``rids`` order: READ_SLICE responses a script call, every call in one round trip."""
+        if not rids:
+            return []
         pipe = self.r.pipeline(transaction=False)
-        for rid in rids:
-            pipe.hmget(Keys.request(rid), ["p", "s", "version", "prompt", "tokens", "finish",
-                                           "instances"])
-            pipe.get(Keys.tokens(rid))
-        rows = await pipe.execute()
+        for i in range(0, len(rids), READ_SLICE):
+            await self._read_samples(keys=[], args=[Keys.request(""), *rids[i:i + READ_SLICE]],
+                                     client=pipe)
+        rows = [row for part in await pipe.execute() for row in part]
+        for rid, row in zip(rids, rows, strict=True):
+            if row[0] is None:  # listed as complete yet gone: never made up as an empty sample
+                raise LookupError(f"response {rid} has no stored record")
+        return rows
+
+    async def samples(self, rids: list[str]) -> list[Sample]:
         out = []
-        for rid, row, text in zip(rids, rows[::2], rows[1::2], strict=True):
-            p, s, version, prompt, legacy, finish, instances = row
-            tokens = text or legacy  # the hash field only for a response never moved
+        for rid, row in zip(rids, await self._rows(rids), strict=True):
+            p, s, version, prompt, tokens, finish, instances = row
             out.append(Sample(
-                request_id=rid, prompt_index=int(p), sample_index=int(s),
-                weight_version=int(version), prompt_token_ids=_ints(prompt),
+                request_id=rid, prompt_index=int(p or 0), sample_index=int(s or 0),
+                weight_version=int(version or 0), prompt_token_ids=_ints(prompt),
                 response_token_ids=_ints(tokens), finish_reason=finish or "",
                 instances=[i for i in (instances or "").split(",") if i],
             ))
         out.sort(key=lambda x: (x.prompt_index, x.sample_index))
         return out
+
+    async def done_digest(self, run_id: str, step: int) -> Digest:
+        """The digest of the step's complete responses, as :func:`sample_digest` of
+        :meth:`done_samples` computes it, hashed from the stored CSV text itself: the barrier
+        then neither parses every token nor prints it back."""
+        rids = sorted(await self.r.smembers(Keys.done(run_id, step)))
+        return csv_digest([(int(p or 0), int(s or 0), int(v or 0), prompt or "", tokens or "")
+                           for p, s, v, prompt, tokens, _, _ in await self._rows(rids)])
 
     async def done_samples(self, run_id: str, step: int) -> list[Sample]:
         rids = sorted(await self.r.smembers(Keys.done(run_id, step)))

@@ -50,7 +50,6 @@ from shared.protocol import (
     TokenFrame,
     decode,
     encode,
-    sample_digest,
 )
 
 log = logging.getLogger("manager")
@@ -317,8 +316,7 @@ class ChunkIngest:
 
     async def barrier(self, run_id: str, step: int) -> None:
         """Every response of the step is complete, once: freeze the digest and announce it."""
-        samples = await self.ledger.done_samples(run_id, step)
-        digest = sample_digest(samples)
+        digest = await self.ledger.done_digest(run_id, step)
         await self.redis.hset(Keys.step(run_id, step), mapping={
             "state": "training", "rollout_done_at": time.time(),
             "digest": msgspec.json.encode(digest).decode(),

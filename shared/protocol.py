@@ -516,14 +516,22 @@ def entry_digest(key: bytes, instance_id: str, entry: FrameEntry) -> bytes:
 def sample_digest(samples: list[Sample]) -> Digest:
     """Digest of a step's training data: order-independent, over ids and tokens only.
 
-    Both the manager (at the barrier) and the trainer (over what it trained on) compute it with
-    this one function, so equality means the same responses, each once, with the same tokens.
+    Both the manager (at the barrier) and the trainer (over what it trained on) compute it in
+    this one format, so equality means the same responses, each once, with the same tokens.
     """
+    return csv_digest([(s.prompt_index, s.sample_index, s.weight_version,
+                        ",".join(map(str, s.prompt_token_ids)),
+                        ",".join(map(str, s.response_token_ids))) for s in samples])
+
+
+def csv_digest(rows: list[tuple[int, int, int, str, str]]) -> Digest:
+    """:func:`sample_digest` of (prompt index, sample index, weight version, prompt tokens,
+    response tokens) rows whose tokens are comma-separated text, as Redis stores them."""
     h = hashlib.sha256()
     tokens = 0
-    for s in sorted(samples, key=lambda s: (s.prompt_index, s.sample_index)):
-        tokens += len(s.response_token_ids)
-        h.update(f"{s.prompt_index}:{s.sample_index}:{s.weight_version}|".encode())
-        h.update(",".join(map(str, s.prompt_token_ids)).encode() + b"|")
-        h.update(",".join(map(str, s.response_token_ids)).encode() + b";")
-    return Digest(responses=len(samples), tokens=tokens, sha256=h.hexdigest())
+    for p, s, version, prompt, response in sorted(rows, key=lambda r: (r[0], r[1])):
+        tokens += response.count(",") + 1 if response else 0
+        h.update(f"{p}:{s}:{version}|".encode())
+        h.update(prompt.encode() + b"|")
+        h.update(response.encode() + b";")
+    return Digest(responses=len(rows), tokens=tokens, sha256=h.hexdigest())

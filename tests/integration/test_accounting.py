@@ -8,10 +8,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from manager_svc.accounting import Ledger
+from manager_svc.accounting import READ_SLICE, Ledger
 from shared.bus import connect_redis
 from shared.names import Keys
-from shared.protocol import FrameEntry, TokenFrame
+from shared.protocol import FrameEntry, TokenFrame, sample_digest
 from shared.stack import Stack
 
 RUN = "run-acc"
@@ -233,6 +233,45 @@ async def test_group_and_step_completion_fire_once(ledger: Ledger) -> None:
     assert [(s.prompt_index, s.sample_index) for s in done] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # A finished response cannot be assigned again.
     assert await ledger.assign(f"{RUN}:0:0:0", "i2", 1.0, 0, 2) is None
+
+
+async def test_the_barrier_digest_is_the_trainers_digest(ledger: Ledger) -> None:
+    """The barrier hashes the stored CSV text; the trainer hashes the samples it was served.
+    Chunked, migrated and empty responses must give both the same digest."""
+    plan = {(0, 0): [[5, 6], [7]], (0, 1): [[]], (1, 0): [[3], [4, 4]], (1, 1): [[9, 10, 11]]}
+    for (p, s), chunks in plan.items():
+        rid = f"{RUN}:0:{p}:{s}"
+        inst, offset = "i1", 0
+        a = await ledger.assign(rid, inst, 1.0, 0, 2)
+        assert a is not None
+        for i, tokens in enumerate(chunks):
+            if (p, s) == (1, 0) and i == 1:  # migrated: the rest comes from another instance
+                assert await ledger.revoke(rid)
+                inst, a = "i2", await ledger.assign(rid, "i2", 1.0, 0, 2)
+                assert a is not None and a.committed_token_ids == [3]
+            last = i == len(chunks) - 1
+            status = await outcome(ledger, chunk(rid, inst, a.epoch, offset, tokens, final=last))
+            assert status in ("ok", "final", "group", "step"), status
+            offset += len(tokens)
+    done = await ledger.done_samples(RUN, 0)
+    assert len(done) == 4
+    digest = await ledger.done_digest(RUN, 0)
+    assert digest == sample_digest(done)
+    assert (digest.responses, digest.tokens) == (4, 9)
+    # Another token anywhere is another digest.
+    done[1].response_token_ids.append(2)
+    assert sample_digest(done) != digest
+
+
+async def test_samples_are_read_in_slices_and_kept_in_order(ledger: Ledger) -> None:
+    prompts = [[p, p + 1] for p in range(READ_SLICE)]
+    await ledger.create_step(RUN, 1, 0, prompts, samples=2, max_new_tokens=4)
+    rids = [f"{RUN}:1:{p}:{s}" for p in range(READ_SLICE) for s in range(2)][::-1]
+    samples = await ledger.samples(rids)
+    assert [(x.prompt_index, x.sample_index) for x in samples] == \
+        [(p, s) for p in range(READ_SLICE) for s in range(2)]
+    assert all(x.prompt_token_ids == prompts[x.prompt_index] for x in samples)
+    assert await ledger.samples([]) == []
 
 
 async def test_heartbeat_renews_only_leases_it_owns(ledger: Ledger) -> None:
