@@ -99,6 +99,7 @@ class Ledger:
         self._extend_step = register(redis, "extend_step.lua")
         self._close_step = register(redis, "close_step.lua")
         self._read_samples = register(redis, "read_samples.lua")
+        self._expired_leases = register(redis, "expired_leases.lua")
         self._held_prefix = Keys.instance("")
         # The commit script finds a step's sets by suffix; names.Keys stays the one definition.
         base = Keys.step("r", 0)
@@ -352,6 +353,12 @@ class Ledger:
                   self.migration],
         )
         return bool(done)
+
+    async def expired_leases(self, run_id: str, step: int) -> list[str]:
+        """The step's leased responses whose lease nobody renewed in time, sorted."""
+        gone = await self._expired_leases(keys=[Keys.leased(run_id, step)],
+                                          args=[Keys.lease("")])
+        return sorted(str(r) for r in gone)
 
     async def renew_many(self, instance_id: str, held: list[tuple[str, int, int]]) -> list[str]:
         """Renew every (request id, epoch, buffered) lease of one heartbeat; returns the

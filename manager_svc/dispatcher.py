@@ -141,14 +141,8 @@ class Dispatcher:
         active = await self._active_step()
         if active is None:
             return
-        leased = sorted(await self.redis.smembers(Keys.leased(active.run_id, active.step)))
-        if not leased:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in leased:
-            pipe.exists(Keys.lease(rid))
-        for rid, alive in zip(leased, await pipe.execute(), strict=True):
-            if not alive and await self.ledger.revoke(rid):
+        for rid in await self.ledger.expired_leases(active.run_id, active.step):
+            if await self.ledger.revoke(rid):
                 self.metrics.revocations.labels("expired").inc()
                 log.info("lease of %s expired; taken back", rid)
 

@@ -121,6 +121,7 @@ class ChunkIngest:
         self._specs: dict[str, RunSpec] = {}  # run id -> its spec, written once at submission
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self._in_flight = False  # a pulled batch is being committed and is not acked yet
+        self._barriers: dict[tuple[str, int], asyncio.Future[None]] = {}  # being made now
 
     async def leave(self) -> None:
         """After the last ack: a waiting replica takes the stream over now, not in a TTL.
@@ -315,7 +316,20 @@ class ChunkIngest:
             await self.nc.publish(names.group_subject(run_id), event)
 
     async def barrier(self, run_id: str, step: int) -> None:
-        """Every response of the step is complete, once: freeze the digest and announce it."""
+        """Every response of the step is complete, once: freeze the digest and announce it.
+
+        Ingest (the commit that completed the step) and the dispatcher (a complete step still
+        in rollout) both call this; until the state says training, the dispatcher's every
+        pass found the step complete and read all of it again alongside ingest. A barrier
+        this replica is already making is waited for, not made twice."""
+        key = (run_id, step)
+        running = self._barriers.get(key)
+        if running is None:
+            running = self._barriers[key] = asyncio.ensure_future(self._barrier(run_id, step))
+            running.add_done_callback(lambda _: self._barriers.pop(key, None))
+        await asyncio.shield(running)
+
+    async def _barrier(self, run_id: str, step: int) -> None:
         digest = await self.ledger.done_digest(run_id, step)
         await self.redis.hset(Keys.step(run_id, step), mapping={
             "state": "training", "rollout_done_at": time.time(),

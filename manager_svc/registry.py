@@ -123,8 +123,14 @@ class Registry:
 
     async def reap_dead(self) -> None:
         """An instance whose heartbeat key expired is dead: take its work back (hard loss)."""
-        for instance_id in await self.redis.smembers(Keys.instances):
-            if await self.redis.exists(Keys.instance(instance_id)):
+        known = sorted(await self.redis.smembers(Keys.instances))
+        pipe = self.redis.pipeline(transaction=False)
+        for instance_id in known:
+            pipe.exists(Keys.instance(instance_id))
+        # One round trip for the fleet, not one per instance every reap.
+        alive = await pipe.execute() if known else []
+        for instance_id, up in zip(known, alive, strict=True):
+            if up:
                 continue
             revoked = await self._forget(instance_id)
             log.warning("instance %s is gone; %d responses go back to the queue",

@@ -274,6 +274,18 @@ async def test_samples_are_read_in_slices_and_kept_in_order(ledger: Ledger) -> N
     assert await ledger.samples([]) == []
 
 
+async def test_expired_leases_are_those_nobody_renewed(ledger: Ledger) -> None:
+    kept, lapsed = f"{RUN}:0:0:0", f"{RUN}:0:1:1"
+    a = await ledger.assign(kept, "i1", 1.0, 0, 2)
+    b = await ledger.assign(lapsed, "i2", 1.0, 0, 2)
+    assert a is not None and b is not None
+    assert await ledger.expired_leases(RUN, 0) == []
+    for _ in range(4):  # past the 0.5 s TTL, renewing only one of them
+        await asyncio.sleep(0.2)
+        assert await ledger.renew_many("i1", [(kept, a.epoch, 0)]) == []
+    assert await ledger.expired_leases(RUN, 0) == [lapsed]
+
+
 async def test_heartbeat_renews_only_leases_it_owns(ledger: Ledger) -> None:
     mine, theirs = f"{RUN}:0:0:0", f"{RUN}:0:0:1"
     a = await ledger.assign(mine, "i1", 1.0, 0, 2)
