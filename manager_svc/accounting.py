@@ -403,10 +403,12 @@ class Ledger:
         """The digest of the step's complete responses, as :func:`sample_digest` of
         :meth:`done_samples` computes it, hashed from the stored CSV text itself: the barrier
         then neither parses every token nor prints it back."""
-        rids = sorted(await self.r.smembers(Keys.done(run_id, step)))
         return csv_digest([(int(p or 0), int(s or 0), int(v or 0), prompt or "", tokens or "")
-                           for p, s, v, prompt, tokens, _, _ in await self._rows(rids)])
+                           for p, s, v, prompt, tokens, _, _ in
+                           await self._rows(await self._done_rids(run_id, step))])
 
     async def done_samples(self, run_id: str, step: int) -> list[Sample]:
-        rids = sorted(await self.r.smembers(Keys.done(run_id, step)))
-        return await self.samples(rids)
+        return await self.samples(await self._done_rids(run_id, step))
+
+    async def _done_rids(self, run_id: str, step: int) -> list[str]:
+        return sorted(await self.r.smembers(Keys.done(run_id, step)))
