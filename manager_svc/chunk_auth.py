@@ -21,7 +21,7 @@ import secrets
 
 import redis.asyncio as aioredis
 
-from shared.names import Keys, parse_request_id
+from shared.names import Keys
 from shared.protocol import FrameEntry, TokenFrame, entry_digest
 
 # Lease keys remembered: a lease's entries arrive every flush for the whole response, and
@@ -63,9 +63,11 @@ class ChunkAuth:
             return "instance differs from its subject"
         return None
 
-    def forged(self, frame: TokenFrame, entry: FrameEntry, subject: str) -> str | None:
-        """Why ``entry`` of ``frame`` is not from its lease holder; None if it is."""
-        if subject.split(".")[2] != parse_request_id(entry.request_id)[0]:
+    def forged(self, frame: TokenFrame, entry: FrameEntry, entry_run: str, subject_run: str
+               ) -> str | None:
+        """Why ``entry`` of ``frame`` is not from its lease holder; None if it is.
+        ``entry_run`` is its request id's run, ``subject_run`` the run its subject names."""
+        if entry_run != subject_run:
             return "run differs from its subject"
         expected = entry_digest(self._key(entry.request_id, entry.epoch), frame.instance_id,
                                 entry).hex().encode()

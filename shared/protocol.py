@@ -513,6 +513,12 @@ def entry_digest(key: bytes, instance_id: str, entry: FrameEntry) -> bytes:
     return hmac.digest(key, body, "sha256")
 
 
+# One response's part of a Digest: (prompt index, sample index, SHA-256 of the response's row,
+# its token count). Kept by the manager for each response a completed group announced, so the
+# barrier hashes those without reading them back (a done response never changes).
+RowDigest = tuple[int, int, bytes, int]
+
+
 def sample_digest(samples: list[Sample]) -> Digest:
     """Digest of a step's training data: order-independent, over ids and tokens only.
 
@@ -527,11 +533,19 @@ def sample_digest(samples: list[Sample]) -> Digest:
 def csv_digest(rows: list[tuple[int, int, int, str, str]]) -> Digest:
     """:func:`sample_digest` of (prompt index, sample index, weight version, prompt tokens,
     response tokens) rows whose tokens are comma-separated text, as Redis stores them."""
+    return rows_digest([row_digest(*row) for row in rows])
+
+
+def row_digest(p: int, s: int, version: int, prompt: str, response: str) -> RowDigest:
+    """One row of :func:`csv_digest`: its hash covers the ids, the version and every token."""
+    body = f"{p}:{s}:{version}|{prompt}|{response};".encode()
+    return p, s, hashlib.sha256(body).digest(), response.count(",") + 1 if response else 0
+
+
+def rows_digest(rows: list[RowDigest]) -> Digest:
+    """The digest of a step from its rows' parts, whatever their order: the hash of their
+    hashes in (prompt, sample) order, and the totals."""
     h = hashlib.sha256()
-    tokens = 0
-    for p, s, version, prompt, response in sorted(rows, key=lambda r: (r[0], r[1])):
-        tokens += response.count(",") + 1 if response else 0
-        h.update(f"{p}:{s}:{version}|".encode())
-        h.update(prompt.encode() + b"|")
-        h.update(response.encode() + b";")
-    return Digest(responses=len(rows), tokens=tokens, sha256=h.hexdigest())
+    for _, _, row_hash, _ in sorted(rows, key=lambda r: (r[0], r[1])):
+        h.update(row_hash)
+    return Digest(responses=len(rows), tokens=sum(r[3] for r in rows), sha256=h.hexdigest())

@@ -1,0 +1,139 @@
+"""Group commit against real NATS JetStream and Redis: ingest checks the next frames while a
+commit runs and sends them together once it has answered. A backlog of many small frames per
+response (the order a pipeline could break) must still commit in stream order, every token
+once, with every group announced before its step's barrier, whose digest (hashed from what the
+group announcements read) equals the one computed over the stored responses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from nats.aio.msg import Msg
+
+from manager_svc.accounting import CommitResult, Ledger
+from manager_svc.archive import Archive
+from manager_svc.chunk_auth import ChunkAuth
+from manager_svc.ingest import ChunkIngest
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.runs import RunStore
+from manager_svc.soft_state import SoftState
+from shared import names
+from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
+from shared.names import Keys, request_id
+from shared.protocol import (
+    Barrier,
+    FrameEntry,
+    GroupDone,
+    RunSpec,
+    TokenFrame,
+    decode,
+    encode,
+    entry_mac,
+    sample_digest,
+)
+from shared.stack import Stack
+
+PROMPTS, SAMPLES, INSTANCES, LENGTH, FLUSH = 16, 4, 4, 96, 2
+
+
+def tokens_of(p: int, s: int) -> list[int]:
+    return [(7 * p + 3 * s + k) % 1000 for k in range(LENGTH)]
+
+
+async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
+        brokers: Stack, tmp_path: Path) -> None:
+    redis = await connect_redis(brokers.redis.url)
+    nc = await connect_nats(brokers.nats.url, "test-ingest")
+    task: asyncio.Task[None] | None = None
+    try:
+        js = nc.jetstream()
+        await ensure_chunk_stream(js)
+        runs = RunStore(redis, Archive(tmp_path))
+        run_id = (await runs.create(RunSpec(model="emu", samples_per_prompt=SAMPLES,
+                                            prompts_per_step=PROMPTS)))["id"]
+        auth = ChunkAuth(b"k" * 32)
+        ledger = Ledger(redis, lease_ttl_s=60.0, lease_key=auth.lease_key)
+        await ledger.create_step(run_id, 0, 0, [[1, p] for p in range(PROMPTS)], SAMPLES, 512)
+        held: dict[str, list[tuple[str, int, str]]] = {f"i{k}": [] for k in range(INSTANCES)}
+        for n, (p, s) in enumerate((p, s) for p in range(PROMPTS) for s in range(SAMPLES)):
+            iid = f"i{n % INSTANCES}"
+            a = await ledger.assign(request_id(run_id, 0, p, s), iid, 1.0, 0, 2)
+            assert a is not None
+            held[iid].append((a.request_id, a.epoch, a.lease_key))
+        events: list[tuple[str, int]] = []  # ("group", prompt) | ("barrier", tokens)
+
+        async def on_group(msg: Msg) -> None:
+            events.append(("group", decode(msg.data, GroupDone).prompt_index))
+
+        barrier: asyncio.Future[Barrier] = asyncio.get_running_loop().create_future()
+
+        async def on_barrier(msg: Msg) -> None:
+            got = decode(msg.data, Barrier)
+            events.append(("barrier", got.digest.tokens))
+            if not barrier.done():
+                barrier.set_result(got)
+        await nc.subscribe(names.group_subject(run_id), cb=on_group)
+        await nc.subscribe(names.barrier_subject(run_id), cb=on_barrier)
+
+        # The whole step in the stream before ingest starts: 48 frames per instance, each
+        # with FLUSH new tokens of each of its 16 responses, so ingest meets a backlog.
+        for iid, leases in held.items():
+            for off in range(0, LENGTH, FLUSH):
+                entries = []
+                for rid, epoch, key in leases:
+                    _, _, p, s = names.parse_request_id(rid)
+                    final = off + FLUSH >= LENGTH
+                    entry = FrameEntry(request_id=rid, epoch=epoch, weight_version=0,
+                                       offset=off, token_ids=tokens_of(p, s)[off:off + FLUSH],
+                                       final=final, finish_reason="stop" if final else None)
+                    entry.mac = entry_mac(key, iid, entry)
+                    entries.append(entry)
+                await js.publish(names.chunk_subject(run_id, iid),
+                                 encode(TokenFrame(instance_id=iid, entries=entries)))
+
+        # Commits watched: never two at once (stream order), and fewer than the frames (what
+        # queued behind a commit went in the next one). Each is slowed, so that a pipeline
+        # sending the next commit early would overlap it.
+        run_calls, flight, seen = ledger.run_calls, [0], {"max": 0, "commits": 0}
+
+        async def watched(calls: list[list[str | bytes | float]], wait_for_redis: bool = False
+                          ) -> list[CommitResult]:
+            flight[0] += 1
+            seen["max"], seen["commits"] = max(seen["max"], flight[0]), seen["commits"] + 1
+            try:
+                await asyncio.sleep(0.05)
+                return await run_calls(calls, wait_for_redis)
+            finally:
+                flight[0] -= 1
+        ledger.run_calls = watched  # type: ignore[method-assign]
+        ingest = ChunkIngest(redis, nc, ledger, runs, ManagerMetrics(), SoftState(), auth)
+        task = asyncio.create_task(ingest.consume())
+        done = await asyncio.wait_for(barrier, 60)
+        await nc.flush()
+        await asyncio.sleep(0.3)
+
+        info = await redis.hgetall(Keys.step(run_id, 0))
+        for counter in ("gaps", "stale_chunks_rejected", "duplicate_chunks_dropped"):
+            assert int(info.get(counter, 0)) == 0, (counter, info)
+        samples = await ledger.done_samples(run_id, 0)
+        assert {(x.prompt_index, x.sample_index): x.response_token_ids for x in samples} == {
+            (p, s): tokens_of(p, s) for p in range(PROMPTS) for s in range(SAMPLES)}
+        assert done.digest == sample_digest(samples)
+        assert done.digest.tokens == PROMPTS * SAMPLES * LENGTH
+        # Every group once, all before the one barrier.
+        assert sorted(p for kind, p in events if kind == "group") == list(range(PROMPTS))
+        assert [kind for kind, _ in events][-1] == "barrier"
+        assert sum(kind == "barrier" for kind, _ in events) == 1
+        frames = INSTANCES * LENGTH // FLUSH
+        assert seen["max"] == 1 and 1 < seen["commits"] < frames, (seen, frames)
+        # Everything acked: nothing of the step is left in the stream.
+        assert (await js.stream_info(names.CHUNK_STREAM)).state.messages == 0
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await nc.close()
+        await redis.aclose()
