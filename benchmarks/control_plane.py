@@ -37,165 +37,43 @@ import httpx
 import nats
 import redis
 
+from benchmarks.control_plane_fleet import (
+    INGEST_SPEC,
+    PUBLISHERS,
+    Frame,
+    Meta,
+    Publisher,
+    Step,
+    prompts,
+)
+from benchmarks.control_plane_report import KINDS, report
 from manager_svc.accounting import Ledger
-from manager_svc.ingest import FETCH_BATCH
+from manager_svc.ingest import GROUP_MAX
 from rlboost.launcher import Child, Cluster
-from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import EmuEngine
 from shared import names
 from shared import protocol as wire
-from shared.bus import connect_nats, connect_redis, request
-from shared.errors import RlboostError
+from shared.bus import connect_nats, connect_redis
 from shared.names import Keys, parse_request_id, request_id
-from shared.process import exit_on_sigterm, wait_event
+from shared.process import exit_on_sigterm
 from shared.stack import Stack, child_env, free_port
 
-Meta = list[tuple[str, int, bool]]  # per entry: request id, offset after it, final
-Frame = tuple[Meta, bytes]  # an encoded TokenFrame and what its entries carry
 RAW = "bench.raw"  # the baseline's subject: outside the chunk stream's
-INGEST_SPEC: dict[str, Any] = {"model": "emu", "steps": 1, "prompts_per_step": 128,
-                               "samples_per_prompt": 8, "max_new_tokens": 512, "seed": 11}
-PUBLISHERS = 32  # 32 instances x 32 responses
+REPEATS = 3  # passes of each kind per flush interval; the median is reported, and the range
 # Flush intervals measured: rollout's default, 16, and 64, the one the goal is at. Waste per
 # preempted response stays within one flush at any of them (bench-preempt --chunk-tokens 64);
 # for reasoning responses of thousands of tokens, 64 lost to a SIGKILL is under 2 %.
 FLUSHES = (4, 16, 64)
-GOAL_TPS, GOAL_BOUND, GOAL_OVERHEAD = 1_000_000, 0.8, 0.05
-# Part 2: instances, responses each, flush interval; max_new_tokens as in part 1.
-FLEETS, PER_INSTANCE, LATENCY_FLUSH = (32, 128), 32, 16
-
-
-def prompts(n: int) -> list[list[int]]:
-    return [[1, p % 10, 4 + p % 3, 3] for p in range(n)]
-
-
-# --- part 1: manager ingest vs raw NATS ----------------------------------------------------------
-
-class Publisher:
-    """One emulated instance: takes the manager's assignments, heartbeats, publishes chunks."""
-
-    def __init__(self, iid: str, run_id: str, capacity: int = PUBLISHERS) -> None:
-        self.iid, self.run_id, self.session = iid, run_id, secrets.token_hex(8)
-        self.capacity = capacity
-        self.assigned_at = 0.0  # perf_counter of its first assignment
-        self.held: dict[str, wire.Assignment] = {}
-        self.published: dict[str, int] = {}
-        self.finished: dict[str, int] = {}  # final chunk sent: reported until its lease is gone
-        self.lost = 0  # responses the manager took back while still being published
-
-    async def on_assign(self, msg: Any) -> None:
-        command = wire.decode_command(msg.data)
-        if isinstance(command, wire.Assign):
-            self.assigned_at = self.assigned_at or time.perf_counter()
-            for a in command.items:
-                self.held[a.request_id], self.published[a.request_id] = a, 0
-
-    def beat(self) -> wire.Heartbeat:
-        live = [wire.Held(request_id=r, epoch=a.epoch, published=self.published[r])
-                for r, a in self.held.items() if r not in self.finished]
-        return wire.Heartbeat(
-            instance_id=self.iid, kind="spot", engine="emu", state="ready", run_id=self.run_id,
-            weight_version=0, capacity=self.capacity, session=self.session, held=live + [
-                wire.Held(request_id=r, epoch=e) for r, e in self.finished.items()])
-
-    async def heartbeats(self, nc: Any, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                reply = await request(nc, names.heartbeat_subject(self.iid), self.beat(),
-                                      wire.HeartbeatReply, 5.0)
-            except RlboostError:  # answered late (or the manager is paused): the next one renews
-                reply = wire.HeartbeatReply()
-            for rid in reply.revoke:  # a finished response leaves; a live one was taken back
-                self.lost += rid not in self.finished and rid in self.held
-                self.finished.pop(rid, None)
-                self.held.pop(rid, None)
-            await wait_event(stop, 0.5)
-
-    def messages(self, engine: EmuEngine, flush: int) -> list[Frame]:
-        """Every frame of this instance from the oracle: one per flush, with the next
-        ``flush`` tokens of every live response, as rollout_svc publishes them."""
-        per: list[list[tuple[str, int, bool, wire.FrameEntry]]] = []
-        for rid, a in self.held.items():
-            req = GenRequest(rid, a.prompt_token_ids, [], a.max_new_tokens, a.temperature, a.seed,
-                             a.step, a.prompt_index, a.sample_index, a.eos_token_id, 0)
-            tokens, parts = engine.expected_tokens(req), []
-            stop = engine.natural_length(req) <= a.max_new_tokens  # else cut by the budget
-            for off in range(0, len(tokens), flush):
-                part, final = tokens[off:off + flush], off + flush >= len(tokens)
-                entry = wire.FrameEntry(
-                    request_id=rid, epoch=a.epoch, weight_version=0, offset=off, token_ids=part,
-                    final=final, finish_reason=("stop" if stop else "length") if final else None)
-                entry.mac = wire.entry_mac(a.lease_key, self.iid, entry)
-                parts.append((rid, off + len(part), final, entry))
-            per.append(parts)
-        frames: list[Frame] = []
-        for at_once in zip_longest(*per):
-            items = [x for x in at_once if x is not None]
-            frame = wire.TokenFrame(instance_id=self.iid, entries=[x[3] for x in items])
-            frames.append(([x[:3] for x in items], wire.encode(frame)))
-        return frames
-
-    async def publish(self, js: Any, frames: list[Frame]) -> None:
-        """As rollout_svc does: one frame per flush, acked before the next, so a response has
-        at most one entry in flight."""
-        subject = names.chunk_subject(self.run_id, self.iid)
-        for meta, data in frames:
-            await js.publish(subject, data, timeout=30.0)
-            for rid, end, final in meta:
-                self.published[rid] = end
-                if final and rid in self.held:
-                    self.finished[rid] = self.held[rid].epoch
-
-
-class Step:
-    """One step of a run, driven from the trainer's side of the protocol with ``n`` emulated
-    instances registered first (so dispatch spreads it evenly)."""
-
-    def __init__(self, nc: Any, http: httpx.AsyncClient, tag: str, n: int, per: int) -> None:
-        self.nc, self.http, self.tag, self.n, self.per = nc, http, tag, n, per
-        self.spec = {**INGEST_SPEC, "prompts_per_step": n * per // 8}
-        self.loop = asyncio.get_running_loop()
-        self.barrier: asyncio.Future[tuple[float, wire.Barrier]] = self.loop.create_future()
-        self.stop = asyncio.Event()
-        self.total = n * per
-
-    async def start(self) -> list[Publisher]:
-        """Register, start step 0; returns once every response is assigned."""
-        self.run_id = (await self.http.post("/v1/runs", json=self.spec)).json()["id"]
-        pubs = [Publisher(f"{self.tag}-{k}", self.run_id, self.per) for k in range(self.n)]
-
-        async def on_barrier(msg: Any) -> None:
-            if not self.barrier.done():
-                self.barrier.set_result((time.perf_counter(), wire.decode(msg.data,
-                                                                          wire.Barrier)))
-        await self.nc.subscribe(names.barrier_subject(self.run_id), cb=on_barrier)
-        for p in pubs:
-            await self.nc.subscribe(names.assign_subject(p.iid), cb=p.on_assign)
-            await request(self.nc, names.heartbeat_subject(p.iid), p.beat(),
-                          wire.HeartbeatReply, 10.0)
-        await request(self.nc, names.TRAINER_POLL, wire.TrainerPoll(trainer_id="bench"),
-                      wire.ActiveRun)
-        start = wire.StepStart(run_id=self.run_id, step=0, weight_version=0,
-                               prompt_token_ids=prompts(int(self.spec["prompts_per_step"])),
-                               eos_token_id=2)
-        self.started = time.perf_counter()
-        assert (await request(self.nc, names.TRAINER_START, start, wire.Ack)).ok
-        self.beats = [asyncio.create_task(p.heartbeats(self.nc, self.stop)) for p in pubs]
-        while sum(len(p.held) for p in pubs) < self.total:
-            await asyncio.sleep(0.01)
-        return pubs
-
-    async def finish(self) -> None:
-        self.stop.set()
-        await asyncio.gather(*self.beats)
-        await self.http.post(f"/v1/runs/{self.run_id}/cancel")  # no trainer will finish it
+# Part 2: instances, responses each, flush interval, max_new_tokens (kept at 512, so its
+# modelled step is as short as before: the overhead is a larger share of a short step).
+FLEETS, PER_INSTANCE, LATENCY_FLUSH, LATENCY_MAX_NEW = (32, 128), 32, 16, 512
 
 
 async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
                        paused: Child | None, flush: int) -> dict[str, Any]:
     """One step of INGEST_SPEC, from registration to the barrier, checked against the oracle;
     with ``paused`` the manager is stopped while the frames are published."""
-    step = Step(nc, http, tag, PUBLISHERS, PUBLISHERS)
+    step = Step(nc, http, tag, PUBLISHERS, PUBLISHERS, int(INGEST_SPEC["max_new_tokens"]))
     pubs = await step.start()
     run_id, barrier, total = step.run_id, step.barrier, step.total
     msgs = [p.messages(EmuEngine(time_scale=0.0), flush) for p in pubs]
@@ -266,8 +144,9 @@ async def sink(url: str, count: int) -> None:
 
 async def redis_bound(url: str, msgs: list[list[Frame]]) -> dict[str, Any]:
     """The same frames' commit scripts back to back on a fresh step (each response leased to
-    the instance that sent it), in stream order and in the manager's batches of FETCH_BATCH
-    frames, one round trip at a time as ingest does; arguments packed before the clock starts.
+    the instance that sent it), in stream order and in the largest commits the manager makes
+    (GROUP_MAX entries), one round trip at a time as ingest does; arguments packed before the
+    clock starts.
     No NATS, no manager, no MAC checks: what Redis alone allows."""
     r = await connect_redis(url)
     ledger = Ledger(r, lease_ttl_s=600)
@@ -290,9 +169,16 @@ async def redis_bound(url: str, msgs: list[list[Frame]]) -> dict[str, Any]:
                 assert a is not None
                 epochs[e.request_id] = a.epoch
             e.epoch = epochs[e.request_id]
-    batches = [ledger.pack(frames[i:i + FETCH_BATCH]) for i in range(0, len(frames), FETCH_BATCH)]
+    batches: list[list[wire.TokenFrame]] = [[]]
+    size = 0
+    for frame in frames:
+        if size + len(frame.entries) > GROUP_MAX:
+            batches, size = [*batches, []], 0
+        batches[-1].append(frame)
+        size += len(frame.entries)
+    calls = [ledger.pack(batch) for batch in batches]
     t0 = time.perf_counter()
-    results = [res for calls in batches for res in await ledger.run_commits(calls)]
+    results = [res for call in calls for res in await ledger.run_commits(call)]
     seconds = time.perf_counter() - t0
     await r.aclose()
     statuses = Counter(res.status for res in results)
@@ -317,28 +203,39 @@ def part_ingest(root: Path) -> dict[str, Any]:
 
     async def passes() -> dict[str, Any]:
         nc = await connect_nats(stack.nats.url, "bench")
-        out: dict[str, Any] = {"ingest": {}, "latency": {}}
+        out: dict[str, Any] = {"ingest": {}, "latency": {}, "config": {
+            "publishers": PUBLISHERS, "max_new_tokens": INGEST_SPEC["max_new_tokens"],
+            "latency_flush": LATENCY_FLUSH, "per_instance": PER_INSTANCE}}
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            for flush in FLUSHES:
-                live = await manager_pass(nc, http, stack, f"live{flush}", None, flush)
-                drain = await manager_pass(nc, http, stack, f"drain{flush}", manager, flush)
-                raw = await raw_pass(nc, stack.nats.url, live["msgs"])
-                bound = await redis_bound(stack.redis.url, live["msgs"])
-                del live["msgs"], drain["msgs"]
-                out["ingest"][flush] = {"live": live, "drain": drain, "raw": raw,
-                                        "bound": bound}
+            # Latency first, on a manager nothing ran on: every earlier pass leaves 32
+            # instances registered until their TTL, and each dispatch pass reads them all.
             for n in FLEETS:
                 out["latency"][n] = await latency_pass(nc, http, n)
-            # One vs two replicas: a second manager joins the same brokers (a standby for
-            # ingest, which one replica at a time commits, and for dispatch; both answer the
-            # bus), then the same live pass again.
+            for flush in FLUSHES:
+                runs: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
+                for i in range(REPEATS):
+                    live = await manager_pass(nc, http, stack, f"live{flush}-{i}", None, flush)
+                    drain = await manager_pass(nc, http, stack, f"drain{flush}-{i}", manager,
+                                               flush)
+                    raw = await raw_pass(nc, stack.nats.url, live["msgs"])
+                    runs["raw"].append({**raw, "tokens": live["tokens"]})
+                    runs["bound"].append(await redis_bound(stack.redis.url, live["msgs"]))
+                    del live["msgs"], drain["msgs"]
+                    runs["live"].append(live)
+                    runs["drain"].append(drain)
+                out["ingest"][flush] = runs
+            # One vs two replicas, back to back: the live pass on one, then a second manager
+            # joins the same brokers (a standby for ingest, which one replica at a time
+            # commits, and for dispatch; both answer the bus) and the same pass again.
             flush = max(FLUSHES)
+            one = await manager_pass(nc, http, stack, f"one{flush}", None, flush)
+            del one["msgs"]
             second.start()
             cluster.children.append(second)  # stopped with the rest; not before it runs
             cluster.wait_http(second.env["RLBOOST_MANAGER_URL"])
             two = await manager_pass(nc, http, stack, f"two{flush}", None, flush)
             del two["msgs"]
-            out["replicas"] = {"flush": flush, "one": out["ingest"][flush]["live"], "two": two}
+            out["replicas"] = {"flush": flush, "one": one, "two": two}
         await nc.close()
         return out
     second = Child("manager-1", [sys.executable, "-m", "manager_svc"],
@@ -390,7 +287,7 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, An
     """One step on ``n`` instances of PER_INSTANCE responses: assignment latency, ack waits,
     last ack -> barrier, against the modelled step time (latency model at time scale 1)."""
     engine = EmuEngine(time_scale=0.0)
-    step = Step(nc, http, f"lat{n}", n, PER_INSTANCE)
+    step = Step(nc, http, f"lat{n}", n, PER_INSTANCE, LATENCY_MAX_NEW)
     pubs = await step.start()
     frames = [p.messages(engine, LATENCY_FLUSH) for p in pubs]
     times = []
@@ -418,70 +315,6 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, An
             "overhead": overhead, "fraction": overhead / (ideal + overhead),
             "frames": sum(map(len, frames)), "wall": t_end - step.started,
             "exact": done.digest.responses == step.total}
-
-
-def report(out: dict[str, Any]) -> bool:
-    ok = True
-    print(f"\n[1] manager ingest: real manager, NATS JetStream, Redis (appendfsync always), no "
-          f"emulated GPU time; per pass {PUBLISHERS} instances x {PUBLISHERS} responses, "
-          f"max_new_tokens {INGEST_SPEC['max_new_tokens']}")
-    best = 0.0
-    for flush, a in out["ingest"].items():
-        live, drain, raw, bound = a["live"], a["drain"], a["raw"], a["bound"]
-        tok, frames = live["tokens"], live["frames"]
-        tps = {"live": tok / live["seconds"], "drain": tok / drain["seconds"],
-               "raw": tok / raw["seconds"], "bound": bound["tokens"] / bound["seconds"]}
-        best = max(best, tps["drain"])
-        print(f"  flush {flush} tokens/response: {frames} frames of {live['entries'] / frames:.1f}"
-              f" entries ({live['bytes'] / frames:.0f} B avg), {tok} tokens")
-        for key, label in (("live", "manager, live: first publish -> barrier"),
-                           ("drain", "manager, drain: resumed -> barrier")):
-            v = a[key]
-            print(f"    {label:<44}: {tps[key]:>10,.0f} tokens/s {frames / v['seconds']:>7,.0f}"
-                  f" frames/s ({v['seconds']:.2f} s; publishing {v['publish_s']:.2f} s); exactly"
-                  f" once as the oracle: {'yes' if v['exact'] else 'NO'} (duplicates "
-                  f"{v['duplicates']}, stale {v['stale']}, taken back {v['lost']})")
-            ok = ok and v["exact"]
-        print(f"    {'raw nats-py publish -> subscribe':<44}: {tps['raw']:>10,.0f} tokens/s "
-              f"({raw['received']}/{frames} received)")
-        print(f"    {'Redis-only bound, same script back to back':<44}: {tps['bound']:>10,.0f} "
-              f"tokens/s (all committed: {'yes' if bound['all_committed'] else bound['statuses']})")
-        print(f"    ratios: drain/bound {tps['drain'] / tps['bound']:.2f}x, live/bound "
-              f"{tps['live'] / tps['bound']:.2f}x, drain/raw {tps['drain'] / tps['raw']:.3f}x, "
-              f"bound/raw {tps['bound'] / tps['raw']:.3f}x")
-        if flush == max(FLUSHES):
-            ok = ok and tps["drain"] >= GOAL_TPS and tps["drain"] >= GOAL_BOUND * tps["bound"]
-    print(f"\n[2] control-plane latency: real manager, NATS, Redis; emulated instances publish "
-          f"frames (flush {LATENCY_FLUSH}) when the emu latency model says the tokens exist, "
-          f"{PER_INSTANCE} responses each; overhead = assignment + ack waits on the critical "
-          f"instance + last ack -> barrier")
-    print(f"  {'instances':>9} {'responses':>9} {'modelled s':>10} {'assign max/mean ms':>18} "
-          f"{'ack wait max ms':>15} {'ack->barrier ms':>15} {'overhead ms':>11} {'of step':>7}")
-    for n, v in out["latency"].items():
-        if v.get("stalled"):
-            print(f"  {n:>9} no barrier within 120 s after the last frame ({v['lost']} "
-                  f"responses taken back from their publishers)")
-            ok = False
-            continue
-        print(f"  {n:>9} {v['responses']:>9} {v['ideal']:>10.2f} "
-              f"{v['assign_max'] * 1e3:>9.1f}/{v['assign_mean'] * 1e3:<8.1f} "
-              f"{v['waited_max'] * 1e3:>15.1f} {v['barrier'] * 1e3:>15.1f} "
-              f"{v['overhead'] * 1e3:>11.1f} {v['fraction']:>7.2%}")
-        ok = ok and v["exact"] and v["fraction"] <= GOAL_OVERHEAD
-    reps = out["replicas"]
-    one, two = reps["one"], reps["two"]
-    print(f"\n[3] manager replicas, live pass at flush {reps['flush']} (one commits the chunk "
-          f"stream at a time, pinned; the other stands by and answers the bus):")
-    for label, v in (("one replica", one), ("two replicas", two)):
-        print(f"  {label:<13}: {v['tokens'] / v['seconds']:>10,.0f} tokens/s ({v['seconds']:.2f} "
-              f"s); exactly once as the oracle: {'yes' if v['exact'] else 'NO'} (duplicates "
-              f"{v['duplicates']}, stale {v['stale']}, taken back {v['lost']})")
-        ok = ok and v["exact"]
-    print(f"  two/one: {(two['tokens'] / two['seconds']) / (one['tokens'] / one['seconds']):.2f}x")
-    print(f"\ngoals (>= {GOAL_TPS:,} committed tokens/s at flush {max(FLUSHES)}, >= "
-          f"{GOAL_BOUND}x the Redis-only bound, overhead <= {GOAL_OVERHEAD:.0%}): "
-          f"{'met' if ok else 'NOT met'}; best committed rate {best:,.0f} tokens/s")
-    return ok
 
 
 def main(argv: list[str] | None = None) -> int:

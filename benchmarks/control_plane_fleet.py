@@ -1,0 +1,158 @@
+"""The emulated rollout fleet of ``make bench-control-plane``: instances that take the real
+manager's assignments, heartbeat as rollout_svc does, and publish the emu oracle's tokens as
+token frames; and one step of a run driven from the trainer's side of the protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from itertools import zip_longest
+from typing import Any
+
+import httpx
+
+from rollout_svc.engines import GenRequest
+from rollout_svc.engines.emu import EmuEngine
+from shared import names
+from shared import protocol as wire
+from shared.bus import request
+from shared.errors import RlboostError
+from shared.process import wait_event
+
+Meta = list[tuple[str, int, bool]]  # per entry: request id, offset after it, final
+Frame = tuple[Meta, bytes]  # an encoded TokenFrame and what its entries carry
+# Reasoning-length responses (the emu model's mean is a fraction of the budget): at 512 a
+# drained step took ~0.15 s, too short to measure on two shared cores (the same code read
+# 0.49-0.96 M tokens/s in three runs), and a step's per-response costs (its groups and
+# barrier) weighed four times what they do at 2,048.
+INGEST_SPEC: dict[str, Any] = {"model": "emu", "steps": 1, "prompts_per_step": 128,
+                               "samples_per_prompt": 8, "max_new_tokens": 2048, "seed": 11}
+PUBLISHERS = 32  # 32 instances x 32 responses
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[1, p % 10, 4 + p % 3, 3] for p in range(n)]
+
+
+# --- part 1: manager ingest vs raw NATS ----------------------------------------------------------
+
+class Publisher:
+    """One emulated instance: takes the manager's assignments, heartbeats, publishes chunks."""
+
+    def __init__(self, iid: str, run_id: str, capacity: int = PUBLISHERS) -> None:
+        self.iid, self.run_id, self.session = iid, run_id, secrets.token_hex(8)
+        self.capacity = capacity
+        self.assigned_at = 0.0  # perf_counter of its first assignment
+        self.held: dict[str, wire.Assignment] = {}
+        self.published: dict[str, int] = {}
+        self.finished: dict[str, int] = {}  # final chunk sent: reported until its lease is gone
+        self.lost = 0  # responses the manager took back while still being published
+
+    async def on_assign(self, msg: Any) -> None:
+        command = wire.decode_command(msg.data)
+        if isinstance(command, wire.Assign):
+            self.assigned_at = self.assigned_at or time.perf_counter()
+            for a in command.items:
+                self.held[a.request_id], self.published[a.request_id] = a, 0
+
+    def beat(self) -> wire.Heartbeat:
+        live = [wire.Held(request_id=r, epoch=a.epoch, published=self.published[r])
+                for r, a in self.held.items() if r not in self.finished]
+        return wire.Heartbeat(
+            instance_id=self.iid, kind="spot", engine="emu", state="ready", run_id=self.run_id,
+            weight_version=0, capacity=self.capacity, session=self.session, held=live + [
+                wire.Held(request_id=r, epoch=e) for r, e in self.finished.items()])
+
+    async def heartbeats(self, nc: Any, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                reply = await request(nc, names.heartbeat_subject(self.iid), self.beat(),
+                                      wire.HeartbeatReply, 5.0)
+            except RlboostError:  # answered late (or the manager is paused): the next one renews
+                reply = wire.HeartbeatReply()
+            for rid in reply.revoke:  # a finished response leaves; a live one was taken back
+                self.lost += rid not in self.finished and rid in self.held
+                self.finished.pop(rid, None)
+                self.held.pop(rid, None)
+            await wait_event(stop, 0.5)
+
+    def messages(self, engine: EmuEngine, flush: int) -> list[Frame]:
+        """Every frame of this instance from the oracle: one per flush, with the next
+        ``flush`` tokens of every live response, as rollout_svc publishes them."""
+        per: list[list[tuple[str, int, bool, wire.FrameEntry]]] = []
+        for rid, a in self.held.items():
+            req = GenRequest(rid, a.prompt_token_ids, [], a.max_new_tokens, a.temperature, a.seed,
+                             a.step, a.prompt_index, a.sample_index, a.eos_token_id, 0)
+            tokens, parts = engine.expected_tokens(req), []
+            stop = engine.natural_length(req) <= a.max_new_tokens  # else cut by the budget
+            for off in range(0, len(tokens), flush):
+                part, final = tokens[off:off + flush], off + flush >= len(tokens)
+                entry = wire.FrameEntry(
+                    request_id=rid, epoch=a.epoch, weight_version=0, offset=off, token_ids=part,
+                    final=final, finish_reason=("stop" if stop else "length") if final else None)
+                entry.mac = wire.entry_mac(a.lease_key, self.iid, entry)
+                parts.append((rid, off + len(part), final, entry))
+            per.append(parts)
+        frames: list[Frame] = []
+        for at_once in zip_longest(*per):
+            items = [x for x in at_once if x is not None]
+            frame = wire.TokenFrame(instance_id=self.iid, entries=[x[3] for x in items])
+            frames.append(([x[:3] for x in items], wire.encode(frame)))
+        return frames
+
+    async def publish(self, js: Any, frames: list[Frame]) -> None:
+        """As rollout_svc does: one frame per flush, acked before the next, so a response has
+        at most one entry in flight."""
+        subject = names.chunk_subject(self.run_id, self.iid)
+        for meta, data in frames:
+            await js.publish(subject, data, timeout=30.0)
+            for rid, end, final in meta:
+                self.published[rid] = end
+                if final and rid in self.held:
+                    self.finished[rid] = self.held[rid].epoch
+
+
+class Step:
+    """One step of a run, driven from the trainer's side of the protocol with ``n`` emulated
+    instances registered first (so dispatch spreads it evenly)."""
+
+    def __init__(self, nc: Any, http: httpx.AsyncClient, tag: str, n: int, per: int,
+                 max_new: int) -> None:
+        self.nc, self.http, self.tag, self.n, self.per = nc, http, tag, n, per
+        self.spec = {**INGEST_SPEC, "prompts_per_step": n * per // 8, "max_new_tokens": max_new}
+        self.loop = asyncio.get_running_loop()
+        self.barrier: asyncio.Future[tuple[float, wire.Barrier]] = self.loop.create_future()
+        self.stop = asyncio.Event()
+        self.total = n * per
+
+    async def start(self) -> list[Publisher]:
+        """Register, start step 0; returns once every response is assigned."""
+        self.run_id = (await self.http.post("/v1/runs", json=self.spec)).json()["id"]
+        pubs = [Publisher(f"{self.tag}-{k}", self.run_id, self.per) for k in range(self.n)]
+
+        async def on_barrier(msg: Any) -> None:
+            if not self.barrier.done():
+                self.barrier.set_result((time.perf_counter(), wire.decode(msg.data,
+                                                                          wire.Barrier)))
+        await self.nc.subscribe(names.barrier_subject(self.run_id), cb=on_barrier)
+        for p in pubs:
+            await self.nc.subscribe(names.assign_subject(p.iid), cb=p.on_assign)
+            await request(self.nc, names.heartbeat_subject(p.iid), p.beat(),
+                          wire.HeartbeatReply, 10.0)
+        await request(self.nc, names.TRAINER_POLL, wire.TrainerPoll(trainer_id="bench"),
+                      wire.ActiveRun)
+        start = wire.StepStart(run_id=self.run_id, step=0, weight_version=0,
+                               prompt_token_ids=prompts(int(self.spec["prompts_per_step"])),
+                               eos_token_id=2)
+        self.started = time.perf_counter()
+        assert (await request(self.nc, names.TRAINER_START, start, wire.Ack)).ok
+        self.beats = [asyncio.create_task(p.heartbeats(self.nc, self.stop)) for p in pubs]
+        while sum(len(p.held) for p in pubs) < self.total:
+            await asyncio.sleep(0.01)
+        return pubs
+
+    async def finish(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.beats)
+        await self.http.post(f"/v1/runs/{self.run_id}/cancel")  # no trainer will finish it

@@ -1,0 +1,93 @@
+"""What ``make bench-control-plane`` prints: each part's figures, the ratios against the
+baselines measured in the same run, and whether the goals hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GOAL_TPS, GOAL_BOUND, GOAL_OVERHEAD = 1_000_000, 0.8, 0.05
+KINDS = ("live", "drain", "raw", "bound")  # the passes of part 1, per flush interval
+
+
+def rate(v: dict[str, Any]) -> float:
+    return float(v["tokens"] / v["seconds"])
+
+
+def median_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    return sorted(passes, key=rate)[len(passes) // 2]
+
+
+def spread(passes: list[dict[str, Any]]) -> str:
+    rates = [rate(v) for v in passes]
+    return f"{min(rates):,.0f}-{max(rates):,.0f}"
+
+
+def report(out: dict[str, Any]) -> bool:
+    """Print the run's figures; True when every pass was exact and every goal held.
+    ``out["config"]`` says what was run (instances, budget, flush intervals)."""
+    cfg = out["config"]
+    ok = True
+    print(f"\n[1] manager ingest: real manager, NATS JetStream, Redis (appendfsync always), no "
+          f"emulated GPU time; per pass {cfg['publishers']} instances x {cfg['publishers']} "
+          f"responses, max_new_tokens {cfg['max_new_tokens']}")
+    best = 0.0
+    for flush, a in out["ingest"].items():
+        med = {kind: median_pass(a[kind]) for kind in KINDS}
+        tps = {kind: rate(v) for kind, v in med.items()}
+        tok, frames = med["live"]["tokens"], med["live"]["frames"]
+        best = max(best, tps["drain"])
+        print(f"  flush {flush} tokens/response: {frames} frames of "
+              f"{med['live']['entries'] / frames:.1f} entries "
+              f"({med['live']['bytes'] / frames:.0f} B avg), {tok} tokens; median of "
+              f"{len(a['live'])} passes each (range)")
+        for key, label in (("live", "manager, live: first publish -> barrier"),
+                           ("drain", "manager, drain: resumed -> barrier")):
+            v, exact = med[key], all(p["exact"] for p in a[key])
+            print(f"    {label:<44}: {tps[key]:>10,.0f} tokens/s ({spread(a[key])}) "
+                  f"{frames / v['seconds']:>6,.0f} frames/s ({v['seconds']:.2f} s; publishing "
+                  f"{v['publish_s']:.2f} s); exactly once as the oracle, every pass: "
+                  f"{'yes' if exact else 'NO'} (duplicates {v['duplicates']}, stale "
+                  f"{v['stale']}, taken back {v['lost']})")
+            ok = ok and exact
+        bound_ok = all(b["all_committed"] for b in a["bound"])
+        print(f"    {'raw nats-py publish -> subscribe':<44}: {tps['raw']:>10,.0f} tokens/s "
+              f"({spread(a['raw'])}; {med['raw']['received']}/{frames} received)")
+        print(f"    {'Redis-only bound, same script back to back':<44}: {tps['bound']:>10,.0f} "
+              f"tokens/s ({spread(a['bound'])}; all committed: "
+              f"{'yes' if bound_ok else med['bound']['statuses']})")
+        print(f"    ratios: drain/bound {tps['drain'] / tps['bound']:.2f}x, live/bound "
+              f"{tps['live'] / tps['bound']:.2f}x, drain/raw {tps['drain'] / tps['raw']:.3f}x, "
+              f"bound/raw {tps['bound'] / tps['raw']:.3f}x")
+        if flush == max(out['ingest']):
+            ok = ok and tps["drain"] >= GOAL_TPS and tps["drain"] >= GOAL_BOUND * tps["bound"]
+    print(f"\n[2] control-plane latency: real manager, NATS, Redis; emulated instances publish "
+          f"frames (flush {cfg['latency_flush']}) when the emu latency model says the tokens "
+          f"exist, {cfg['per_instance']} responses each; overhead = assignment + ack waits on "
+          f"the critical instance + last ack -> barrier")
+    print(f"  {'instances':>9} {'responses':>9} {'modelled s':>10} {'assign max/mean ms':>18} "
+          f"{'ack wait max ms':>15} {'ack->barrier ms':>15} {'overhead ms':>11} {'of step':>7}")
+    for n, v in out["latency"].items():
+        if v.get("stalled"):
+            print(f"  {n:>9} no barrier within 120 s after the last frame ({v['lost']} "
+                  f"responses taken back from their publishers)")
+            ok = False
+            continue
+        print(f"  {n:>9} {v['responses']:>9} {v['ideal']:>10.2f} "
+              f"{v['assign_max'] * 1e3:>9.1f}/{v['assign_mean'] * 1e3:<8.1f} "
+              f"{v['waited_max'] * 1e3:>15.1f} {v['barrier'] * 1e3:>15.1f} "
+              f"{v['overhead'] * 1e3:>11.1f} {v['fraction']:>7.2%}")
+        ok = ok and v["exact"] and v["fraction"] <= GOAL_OVERHEAD
+    reps = out["replicas"]
+    one, two = reps["one"], reps["two"]
+    print(f"\n[3] manager replicas, live pass at flush {reps['flush']} (one commits the chunk "
+          f"stream at a time, pinned; the other stands by and answers the bus):")
+    for label, v in (("one replica", one), ("two replicas", two)):
+        print(f"  {label:<13}: {v['tokens'] / v['seconds']:>10,.0f} tokens/s ({v['seconds']:.2f} "
+              f"s); exactly once as the oracle: {'yes' if v['exact'] else 'NO'} (duplicates "
+              f"{v['duplicates']}, stale {v['stale']}, taken back {v['lost']})")
+        ok = ok and v["exact"]
+    print(f"  two/one: {(two['tokens'] / two['seconds']) / (one['tokens'] / one['seconds']):.2f}x")
+    print(f"\ngoals (>= {GOAL_TPS:,} committed tokens/s at flush {max(out['ingest'])}, >= "
+          f"{GOAL_BOUND}x the Redis-only bound, overhead <= {GOAL_OVERHEAD:.0%}): "
+          f"{'met' if ok else 'NOT met'}; best committed rate {best:,.0f} tokens/s")
+    return ok
