@@ -11,17 +11,22 @@ local out, migrations = {}, 0
 for i = 7, #ARGV do
   local rid = ARGV[i]
   local req = req_prefix .. rid
-  if redis.call('HGET', req, 'done') ~= '1' and redis.call('SISMEMBER', KEYS[1], rid) == 1 then
+  -- One read of what the lease needs, before anything is written: seven commands a response
+  -- where there were ten, and no read of its tokens while it has none (a fresh step's all).
+  local st = redis.call('HMGET', req, 'done', 'n', 'last', 'tokens', 'prompt', 'version', 'max')
+  if st[1] ~= '1' and redis.call('SISMEMBER', KEYS[1], rid) == 1 then
     local epoch = redis.call('HINCRBY', req, 'epoch', 1)
     redis.call('SET', lease_prefix .. rid, inst .. ':' .. epoch, 'PX', ttl)
     redis.call('SMOVE', KEYS[1], KEYS[2], rid)
     redis.call('SADD', held, rid)
-    local st = redis.call('HMGET', req, 'n', 'last', 'tokens', 'prompt', 'version', 'max')
     -- Committed tokens made by another instance: this lease moves the response.
-    if tonumber(st[1]) > 0 and st[2] ~= inst then migrations = migrations + 1 end
+    local n = tonumber(st[2])
+    if n > 0 and st[3] ~= inst then migrations = migrations + 1 end
     redis.call('HSET', req, 'owner', inst, 'assigned_at', now)
-    take_legacy_tokens(req, st[3])
-    out[#out + 1] = {epoch, redis.call('GET', req .. TOKENS) or '', st[4], st[5], st[6]}
+    take_legacy_tokens(req, st[4])
+    local tokens = ''
+    if n > 0 then tokens = redis.call('GET', req .. TOKENS) or '' end
+    out[#out + 1] = {epoch, tokens, st[5], st[6], st[7]}
   else
     out[#out + 1] = false
   end
