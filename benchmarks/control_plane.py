@@ -142,6 +142,28 @@ async def sink(url: str, count: int) -> None:
     await nc.close()
 
 
+async def probe(url: str, count: int) -> None:
+    """Assignment probe, in a process of its own as each real instance is: when each of
+    ``count`` instances' first Assign reached the bus (wall clock), and nothing else. The
+    emulated instances see theirs later, behind the other 127 in one event loop."""
+    nc = await nats.connect(url)
+    first: dict[str, float] = {}
+    done = asyncio.Event()
+
+    async def on_msg(msg: Any) -> None:
+        iid = names.subject_instance(msg.subject)
+        if iid not in first and isinstance(wire.decode_command(msg.data), wire.Assign):
+            first[iid] = time.time()
+            if len(first) == count:
+                done.set()
+    await nc.subscribe(names.assign_subject("*"), cb=on_msg)
+    await nc.flush()
+    print("subscribed", flush=True)
+    await asyncio.wait_for(done.wait(), 120)
+    print(json.dumps(first), flush=True)
+    await nc.close()
+
+
 async def redis_bound(url: str, msgs: list[list[Frame]]) -> dict[str, Any]:
     """The same frames' commit scripts back to back on a fresh step (each response leased to
     the instance that sent it), in stream order and in the largest commits the manager makes
@@ -288,7 +310,14 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, An
     last ack -> barrier, against the modelled step time (latency model at time scale 1)."""
     engine = EmuEngine(time_scale=0.0)
     step = Step(nc, http, f"lat{n}", n, PER_INSTANCE, LATENCY_MAX_NEW)
+    watch = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.control_plane", "--probe", nc.connected_url.geturl(),
+        str(n), stdout=asyncio.subprocess.PIPE, env=child_env({}))
+    assert watch.stdout is not None
+    await asyncio.wait_for(watch.stdout.readline(), 60)  # it is subscribed
     pubs = await step.start()
+    arrived = json.loads(await asyncio.wait_for(watch.stdout.readline(), 120))
+    await watch.wait()
     frames = [p.messages(engine, LATENCY_FLUSH) for p in pubs]
     times = []
     for fs in frames:
@@ -302,7 +331,9 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, An
         await step.finish()
         return {"stalled": True, "lost": sum(p.lost for p in pubs)}
     await step.finish()
-    assign = [p.assigned_at - step.started for p in pubs]
+    # Assignment latency: trainer's start -> the instance's Assign on the bus, by the probe.
+    assign = [arrived[p.iid] - step.started_wall for p in pubs]
+    seen = max(p.assigned_at - step.started for p in pubs)  # by the emulated instances
     ideal = max(g["modelled"] for g in got)
     # The critical instance: the one whose tokens would exist last with the control plane's
     # delays (assignment, ack waits) and no other cost.
@@ -310,7 +341,7 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, An
     after = t_end - max(g["acked"] for g in got)
     overhead = critical - ideal + after
     return {"responses": step.total, "tokens": done.digest.tokens, "ideal": ideal,
-            "assign_max": max(assign), "assign_mean": sum(assign) / n,
+            "assign_max": max(assign), "assign_mean": sum(assign) / n, "assign_seen": seen,
             "waited_max": max(g["waited"] for g in got), "barrier": after,
             "overhead": overhead, "fraction": overhead / (ideal + overhead),
             "frames": sum(map(len, frames)), "wall": t_end - step.started,
@@ -320,9 +351,13 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sink", nargs=2, metavar=("NATS_URL", "COUNT"), help=argparse.SUPPRESS)
+    parser.add_argument("--probe", nargs=2, metavar=("NATS_URL", "COUNT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.sink:
         asyncio.run(sink(args.sink[0], int(args.sink[1])))
+        return 0
+    if args.probe:
+        asyncio.run(probe(args.probe[0], int(args.probe[1])))
         return 0
     exit_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="rlboost-cp-") as tmp:

@@ -145,7 +145,7 @@ class Step:
         start = wire.StepStart(run_id=self.run_id, step=0, weight_version=0,
                                prompt_token_ids=prompts(int(self.spec["prompts_per_step"])),
                                eos_token_id=2)
-        self.started = time.perf_counter()
+        self.started, self.started_wall = time.perf_counter(), time.time()
         assert (await request(self.nc, names.TRAINER_START, start, wire.Ack)).ok
         self.beats = [asyncio.create_task(p.heartbeats(self.nc, self.stop)) for p in pubs]
         while sum(len(p.held) for p in pubs) < self.total:
