@@ -3,19 +3,21 @@
 1. Manager ingest, per flush interval (tokens per response per frame): a real manager on real
    NATS JetStream + Redis commits one step's token frames by its whole exactly-once path (pull
    consumer, Lua commit, acks, group and barrier events), published as ``rollout_svc`` does (one
-   frame per flush with every response's new tokens, awaited) by emulated instances that
+   frame per flush with every response's new tokens) by emulated instances that
    heartbeat and hold the manager's own assignments; the tokens are the emu oracle's, checked
    token for token. Live: first publish -> barrier; drain: manager paused (SIGSTOP) while the
    stream fills, then resumed -> barrier (the manager alone, not the publishers). Baselines on
    the same frames: raw nats-py publish -> subscribe, and the Redis-only bound: the same commit
-   script over the same frames back to back, in the manager's batches, no NATS, no manager.
+   script over the same frames back to back, in the manager's largest commits, no NATS, no
+   manager. Each of these runs three times; the median is reported.
 2. Control-plane latency at 32 and 128 instances: emulated instances that cost nothing but
    their messages publish each frame when the emu engine's latency model says its tokens exist
-   (and wait for its ack before generating on, as ``rollout_svc`` does). Overhead = assignment
-   latency + publish waits on the critical instance + last ack -> barrier, against the modelled
-   step time; the emulated engines' own Python cost is not in it.
-3. One vs two manager replicas: the live pass of part 1 again with a second manager on the same
-   brokers, exactly once checked the same way.
+   (one frame in flight: a flush waits for the last one's ack, as ``rollout_svc`` does).
+   Overhead = assignment latency (the trainer's start -> the instance's Assign on the bus, as a
+   probe process sees it) + ack waits on the critical instance + last ack -> barrier, against
+   the modelled step time; the emulated engines' own Python cost is not in it.
+3. One vs two manager replicas: a live pass of part 1 on one, then again with a second manager
+   on the same brokers, exactly once checked the same way.
 """
 
 from __future__ import annotations
@@ -290,18 +292,29 @@ def flush_times(engine: EmuEngine, meta: list[Meta], lengths: dict[str, int]) ->
 
 
 async def paced(p: Publisher, js: Any, frames: list[Frame], at: list[float]) -> dict[str, float]:
-    """Publish each frame when the model says its tokens exist, waiting for its ack before
-    going on as rollout_svc's generate loop does: an ack wait delays every later frame."""
+    """Publish each frame when the model says its tokens exist, as rollout_svc's generate loop
+    does: the engine goes on while a frame's ack is awaited, the next flush waits for it (one
+    frame in flight), and that wait delays every later frame; so does the last frame's, which
+    the barrier waits for."""
     subject, waited, base = names.chunk_subject(p.run_id, p.iid), 0.0, p.assigned_at
-    for (meta, data), due in zip(frames, at, strict=True):
-        await asyncio.sleep(max(0.0, base + due + waited - time.perf_counter()))
+    inflight: tuple[asyncio.Future[Any], Meta] | None = None
+
+    async def settle(sent: tuple[asyncio.Future[Any], Meta]) -> None:
+        nonlocal waited
         t0 = time.perf_counter()
-        await js.publish(subject, data, timeout=30.0)
+        await sent[0]
         waited += time.perf_counter() - t0
-        for rid, end, final in meta:
+        for rid, end, final in sent[1]:
             p.published[rid] = end
             if final and rid in p.held:
                 p.finished[rid] = p.held[rid].epoch
+    for (meta, data), due in zip(frames, at, strict=True):
+        await asyncio.sleep(max(0.0, base + due + waited - time.perf_counter()))
+        if inflight is not None:
+            await settle(inflight)
+        inflight = (asyncio.ensure_future(js.publish(subject, data, timeout=30.0)), meta)
+    if inflight is not None:
+        await settle(inflight)
     return {"waited": waited, "acked": time.perf_counter(), "modelled": at[-1]}
 
 

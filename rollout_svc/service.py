@@ -87,6 +87,15 @@ class InFlight:
     final: bool = False
     finish_reason: str | None = None
     frozen: bool = False  # being handed back: generation stopped, only its buffer goes out
+    # The frame in flight carries buffer[:sending] (kept in the buffer until acked, so that
+    # positions still count from offset), and the final entry once final_sent.
+    sending: int = 0
+    final_sent: bool = False
+
+    def flush_due(self, chunk_tokens: int) -> bool:
+        """Enough new tokens for a flush (those in flight not counted), or its end unsent."""
+        return not self.frozen and (
+            (self.final and not self.final_sent) or len(self.buffer) - self.sending >= chunk_tokens)
 
 
 class RolloutService:
@@ -105,6 +114,7 @@ class RolloutService:
         # Held while a frame goes out: a hand-back publishes a buffer only once no other publish
         # of it is in flight, so a response's entries and its offset stay in step.
         self._publishing = asyncio.Lock()
+        self._flushing: asyncio.Task[None] | None = None  # the flush whose ack is awaited
         self._beat = asyncio.Event()  # set to send a heartbeat now rather than on the period
         self._stop = asyncio.Event()
         self._reason: str = "shutdown"
@@ -163,6 +173,7 @@ class RolloutService:
     async def _leave(self, tasks: list[asyncio.Task[None]]) -> None:
         for task in tasks:
             await cancel_and_wait(task)
+        await self._flushed()
         self.engine.drain()
         # Commit whatever was generated, so the next owner resumes after it, not before.
         await self._publish([(rid, item) for rid, item in self.inflight.items()
@@ -350,17 +361,30 @@ class RolloutService:
                     item.buffer.append(ev.token_id)
                 if ev.finished:
                     item.final, item.finish_reason = True, ev.finish_reason
-            if not any(not i.frozen and (i.final or len(i.buffer) >= self.cfg.chunk_tokens)
-                       for i in self.inflight.values()):
+            if not any(i.flush_due(self.cfg.chunk_tokens) for i in self.inflight.values()):
                 continue
             # A flush: every response's new tokens in one frame (one message, one commit
             # script), so the message rate is per instance and flush, not per response; no
-            # buffer outgrows chunk_tokens, which bounds what a preemption wastes. The frame
-            # is awaited before the next flush, so a response's entries stay in order.
+            # buffer outgrows chunk_tokens, which bounds what a preemption wastes. The engine
+            # goes on while the frame's ack is awaited (waiting for it idled the GPU for a
+            # round trip to the stream every flush); the next flush waits for it, so one frame
+            # is in flight at a time and a response's entries stay in order.
+            await self._flushed()
             due = [(rid, item) for rid, item in self.inflight.items()
                    if not item.frozen and (item.buffer or item.final)]
-            async with self._publishing:
-                await self._publish(due)
+            self._flushing = asyncio.create_task(self._flush(due))
+
+    async def _flush(self, due: list[tuple[str, InFlight]]) -> None:
+        async with self._publishing:
+            await self._publish(due)
+
+    async def _flushed(self) -> None:
+        """The frame in flight has its ack (or was given up on); shielded, so that a task
+        cancelled while waiting does not cancel the publish under it."""
+        if self._flushing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._flushing)
+            self._flushing = None
 
     async def _publish(self, items: list[tuple[str, InFlight]]) -> None:
         """Publish ``items``' buffers as one frame (more where one would pass MESSAGE_BUDGET).
@@ -373,7 +397,11 @@ class RolloutService:
             return
         if not items:
             return
+        # What each buffer holds now is what this frame carries: the engine may add to it
+        # before the ack, and those tokens go in the next frame.
         entries = [self._entry(rid, item) for rid, item in items]
+        for (_, item), entry in zip(items, entries, strict=True):
+            item.sending, item.final_sent = len(entry.token_ids), entry.final
         frame = TokenFrame(instance_id=self.cfg.instance_id, kind=self.cfg.kind, entries=entries)
         data = encode(frame)
         if len(data) > MESSAGE_BUDGET and len(items) > 1:
@@ -397,10 +425,11 @@ class RolloutService:
             return
         self.metrics.frames.inc()
         self.metrics.chunks.inc(len(items))
-        for rid, item in items:
-            item.offset += len(item.buffer)
-            item.buffer = []
-            if item.final:
+        for (rid, item), entry in zip(items, entries, strict=True):
+            item.offset += len(entry.token_ids)
+            del item.buffer[:len(entry.token_ids)]
+            item.sending = 0
+            if entry.final:
                 self.inflight.pop(rid, None)
                 self.finished[rid] = item.assignment.epoch
 
