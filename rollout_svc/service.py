@@ -365,10 +365,11 @@ class RolloutService:
                 continue
             # A flush: every response's new tokens in one frame (one message, one commit
             # script), so the message rate is per instance and flush, not per response; no
-            # buffer outgrows chunk_tokens, which bounds what a preemption wastes. The engine
-            # goes on while the frame's ack is awaited (waiting for it idled the GPU for a
-            # round trip to the stream every flush); the next flush waits for it, so one frame
-            # is in flight at a time and a response's entries stay in order.
+            # response's unsent tokens outgrow chunk_tokens, which bounds what a preemption
+            # wastes. The engine goes on while the frame's ack is awaited (waiting for it
+            # idled the GPU for a round trip to the stream every flush); the next flush waits
+            # for it, so one frame is in flight at a time and a response's entries stay in
+            # order.
             await self._flushed()
             due = [(rid, item) for rid, item in self.inflight.items()
                    if not item.frozen and (item.buffer or item.final)]
@@ -382,8 +383,10 @@ class RolloutService:
         """The frame in flight has its ack (or was given up on); shielded, so that a task
         cancelled while waiting does not cancel the publish under it."""
         if self._flushing is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.shield(self._flushing)
+            except Exception as exc:  # _publish gives up on a frame by itself; this is a bug
+                log.error("flushing a frame failed: %r", exc)
             self._flushing = None
 
     async def _publish(self, items: list[tuple[str, InFlight]]) -> None:
