@@ -163,6 +163,7 @@ class ChunkIngest:
         the load: each round trip and AOF fsync (~1.5 ms here) serves whatever queued behind
         it (fixed parts of 512 entries ran the Redis-only bound at 0.6-0.7x its rate)."""
         await bind_consumer(self.nc, self.ack_wait_s)
+        self._in_flight = 0  # what a failed run left unacked comes back after ack_wait
         inbox, arrived, batch = self.nc.new_inbox(), asyncio.Event(), list[NatsMsg]()
         taken: deque[NatsMsg] = deque()  # pulled, not yet checked
         part = _Part()  # checked and packed, waiting for the commit in flight to answer
