@@ -526,8 +526,14 @@ def sample_digest(samples: list[Sample]) -> Digest:
     this one format, so equality means the same responses, each once, with the same tokens.
     """
     return csv_digest([(s.prompt_index, s.sample_index, s.weight_version,
-                        ",".join(map(str, s.prompt_token_ids)),
-                        ",".join(map(str, s.response_token_ids))) for s in samples])
+                        token_csv(s.prompt_token_ids), token_csv(s.response_token_ids))
+                       for s in samples])
+
+
+def token_csv(ids: list[int]) -> str:
+    """Token ids as Redis stores them, "1,2,3": msgspec prints the list as JSON, ~13x faster
+    than a join over str() (the manager does this for every entry it commits)."""
+    return _encoder.encode(ids)[1:-1].decode()
 
 
 def csv_digest(rows: list[tuple[int, int, int, str, str]]) -> Digest:
@@ -539,7 +545,8 @@ def csv_digest(rows: list[tuple[int, int, int, str, str]]) -> Digest:
 def row_digest(p: int, s: int, version: int, prompt: str, response: str) -> RowDigest:
     """One row of :func:`csv_digest`: its hash covers the ids, the version and every token."""
     body = f"{p}:{s}:{version}|{prompt}|{response};".encode()
-    return p, s, hashlib.sha256(body).digest(), response.count(",") + 1 if response else 0
+    tokens = response.count(",") + 1 if response else 0
+    return p, s, hashlib.sha256(body).digest(), tokens
 
 
 def rows_digest(rows: list[RowDigest]) -> Digest:
