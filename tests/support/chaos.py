@@ -88,6 +88,9 @@ class Injector:
         self.missed: Counter[str] = Counter()  # injections that hit nothing live
         self.errors: list[str] = []
         self.run_id = ""  # the run under way; "" between runs: nothing is injected then
+        # The run the fault in flight was injected into: run_id may be cleared meanwhile (the
+        # run ended), and a probe of run "" would read as a manager that never answers.
+        self.target = ""
         self.manager_url = cluster.env["RLBOOST_MANAGER_URL"]
         self._stop = threading.Event()
         self._gate = threading.Lock()  # held while a fault is injected
@@ -189,7 +192,7 @@ class Injector:
     def _hold_then_heal(self, kind: str, links: list[Link], hurt: Callable[[Link], None],
                         held_s: float) -> None:
         """Hurt ``links`` for ``held_s``, heal them, and time the run's recovery."""
-        run_id = self.run_id  # the test clears it when the run ends, maybe meanwhile
+        run_id = self.target
         for link in links:
             hurt(link)
         time.sleep(held_s)
@@ -277,7 +280,7 @@ class Injector:
             with self._gate:
                 if self._stop.is_set() or not self.run_id:
                     continue  # between runs: nothing to hurt
-                run_id = self.run_id
+                run_id = self.target = self.run_id
                 try:
                     at = time.time()
                     if fault():
