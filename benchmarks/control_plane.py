@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import signal
 import sys
@@ -69,6 +70,7 @@ FLUSHES = (4, 16, 64)
 # Part 2: instances, responses each, flush interval, max_new_tokens (kept at 512, so its
 # modelled step is as short as before: the overhead is a larger share of a short step).
 FLEETS, PER_INSTANCE, LATENCY_FLUSH, LATENCY_MAX_NEW = (32, 128), 32, 16, 512
+BEAT_WINDOW_S = 3.0  # after a latency pass's barrier: nothing but heartbeats
 
 
 async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
@@ -225,6 +227,10 @@ def part_ingest(root: Path) -> dict[str, Any]:
     manager = Child("manager", [sys.executable, "-m", "manager_svc"], env, root / "manager.log")
     cluster = Cluster(root, base_env=env, children=[manager])
 
+    def manager_pid() -> int:
+        assert manager.proc is not None
+        return manager.proc.pid
+
     async def passes() -> dict[str, Any]:
         nc = await connect_nats(stack.nats.url, "bench")
         out: dict[str, Any] = {"ingest": {}, "latency": {}, "config": {
@@ -234,7 +240,7 @@ def part_ingest(root: Path) -> dict[str, Any]:
             # Latency first, on a manager nothing ran on: every earlier pass leaves 32
             # instances registered until their TTL, and each dispatch pass reads them all.
             for n in FLEETS:
-                out["latency"][n] = await latency_pass(nc, http, n)
+                out["latency"][n] = await latency_pass(nc, http, n, manager_pid())
             for flush in FLUSHES:
                 runs: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
                 for i in range(REPEATS):
@@ -318,9 +324,17 @@ async def paced(p: Publisher, js: Any, frames: list[Frame], at: list[float]) -> 
     return {"waited": waited, "acked": time.perf_counter(), "modelled": at[-1]}
 
 
-async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int, manager_pid: int
+                       ) -> dict[str, Any]:
     """One step on ``n`` instances of PER_INSTANCE responses: assignment latency, ack waits,
-    last ack -> barrier, against the modelled step time (latency model at time scale 1)."""
+    last ack -> barrier, against the modelled step time (latency model at time scale 1).
+    Then the step's instances only beat for BEAT_WINDOW_S: the manager's CPU time a beat."""
     engine = EmuEngine(time_scale=0.0)
     step = Step(nc, http, f"lat{n}", n, PER_INSTANCE, LATENCY_MAX_NEW)
     watch = await asyncio.create_subprocess_exec(
@@ -343,6 +357,9 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, An
     except TimeoutError:  # reported, not raised: the other figures still stand
         await step.finish()
         return {"stalled": True, "lost": sum(p.lost for p in pubs)}
+    beats, cpu = sum(p.beats for p in pubs), cpu_seconds(manager_pid)
+    await asyncio.sleep(BEAT_WINDOW_S)
+    beats, cpu = sum(p.beats for p in pubs) - beats, cpu_seconds(manager_pid) - cpu
     await step.finish()
     # Assignment latency: trainer's start -> the instance's Assign on the bus, by the probe.
     assign = [arrived[p.iid] - step.started_wall for p in pubs]
@@ -358,7 +375,8 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int) -> dict[str, An
             "waited_max": max(g["waited"] for g in got), "barrier": after,
             "overhead": overhead, "fraction": overhead / (ideal + overhead),
             "frames": sum(map(len, frames)), "wall": t_end - step.started,
-            "exact": done.digest.responses == step.total}
+            "exact": done.digest.responses == step.total,
+            "beats_per_s": beats / BEAT_WINDOW_S, "cpu_per_beat": cpu / max(beats, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,7 @@ class Publisher:
         self.published: dict[str, int] = {}
         self.finished: dict[str, int] = {}  # final chunk sent: reported until its lease is gone
         self.lost = 0  # responses the manager took back while still being published
+        self.beats = 0  # heartbeats the manager answered
 
     async def on_assign(self, msg: Any) -> None:
         command = wire.decode_command(msg.data)
@@ -71,6 +72,8 @@ class Publisher:
                                       wire.HeartbeatReply, 5.0)
             except RlboostError:  # answered late (or the manager is paused): the next one renews
                 reply = wire.HeartbeatReply()
+            else:
+                self.beats += 1
             for rid in reply.revoke:  # a finished response leaves; a live one was taken back
                 self.lost += rid not in self.finished and rid in self.held
                 self.finished.pop(rid, None)

@@ -80,6 +80,12 @@ def report(out: dict[str, Any]) -> bool:
               f"{v['waited_max'] * 1e3:>15.1f} {v['barrier'] * 1e3:>15.1f} "
               f"{v['overhead'] * 1e3:>11.1f} {v['fraction']:>7.2%}")
         ok = ok and v["exact"] and v["fraction"] <= GOAL_OVERHEAD
+    for n, v in out["latency"].items():
+        if not v.get("stalled"):
+            # An instance beats every 0.5 s (RLBOOST_HEARTBEAT_S): 2 beats a second each.
+            print(f"  heartbeats alone at {n} instances: {v['beats_per_s']:,.0f}/s answered, "
+                  f"{v['cpu_per_beat'] * 1e6:,.0f} us of manager CPU each (one core answers "
+                  f"{1 / (2 * v['cpu_per_beat']):,.0f} instances)")
     reps = out["replicas"]
     one, two = reps["one"], reps["two"]
     print(f"\n[3] manager replicas, live pass at flush {reps['flush']} (one commits the chunk "
