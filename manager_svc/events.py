@@ -5,8 +5,9 @@ where the manager learns of it: a *join* is an instance's first heartbeat under 
 session while the run is active (instances already up when a run starts join it at its first
 beat), a *version* is a heartbeat reporting a newly loaded weight version of the run, a
 *leave* is a release (``reason`` preempt, shutdown or abort), a *death* is the reaper finding
-a heartbeat expired. Join and version come from one script (``lua/observe.lua``), so a
-change is recorded once however beats interleave. Stream ids are Redis's clock in ms, so an
+a heartbeat expired. Join and version are recorded by the heartbeat's own script
+(``lua/observe.lua`` inside ``lua/heartbeat.lua``, :mod:`manager_svc.registry`), so a change
+is recorded once however beats interleave. Stream ids are Redis's clock in ms, so an
 event's time is its id; :meth:`InstanceEvents.read` pages by id. The stream is capped at
 :data:`MAX_EVENTS` (trimmed approximately, oldest first): 1,000 steps of 100 instances each
 loading every version fit. When an ended run's stream expires, :meth:`InstanceEvents.read`
@@ -21,7 +22,6 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from manager_svc.archive import Archive
-from manager_svc.scripts import register
 from shared.names import Keys
 
 MAX_EVENTS = 120_000
@@ -40,15 +40,6 @@ class InstanceEvents:
     def __init__(self, redis: aioredis.Redis, archive: Archive) -> None:
         self.redis = redis
         self.archive = archive  # an ended run's events, once its stream expired
-        self._observe = register(redis, "observe.lua")
-
-    async def observe(self, run_id: str, instance_id: str, session: str, kind: str,
-                      version: int | None) -> None:
-        """A heartbeat of ``instance_id`` while ``run_id`` is active; ``version`` is the
-        version of this run it has loaded, if any."""
-        await self._observe(keys=[Keys.run_instances(run_id), Keys.events(run_id)],
-                            args=[instance_id, session, kind,
-                                  -1 if version is None else version, MAX_EVENTS])
 
     async def left(self, run_id: str, instance_id: str, kind: str | None, reason: str) -> None:
         await self._add(run_id, {"type": "leave", "instance": instance_id, "kind": kind or "",

@@ -1,6 +1,6 @@
 """The instance registry: which rollout instances are alive, and taking work back from the gone.
 
-Contract: an instance is a Redis hash that each heartbeat refreshes (``lua/register.lua``) and
+Contract: an instance is a Redis hash that each heartbeat refreshes (``lua/heartbeat.lua``) and
 that expires ``instance_ttl_s`` after the last one; the set of the responses it holds is Redis
 data too. A heartbeat renews the leases the instance reports, takes back what it should hold
 but never confirmed, and is answered with the run and weight version to serve. An instance
@@ -23,13 +23,13 @@ import redis.asyncio as aioredis
 
 from manager_svc.accounting import Ledger
 from manager_svc.crash import HANDOFF_REVOKE, CrashPoints
-from manager_svc.events import InstanceEvents
+from manager_svc.events import MAX_EVENTS, InstanceEvents
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.scripts import register
 from manager_svc.soft_state import SoftState
 from shared.config import ManagerConfig
-from shared.names import Keys
+from shared.names import RUN_INSTANCES_SUFFIX, Keys
 from shared.protocol import Ack, Heartbeat, HeartbeatReply, Release, Target
 
 log = logging.getLogger("manager")
@@ -53,36 +53,33 @@ class Registry:
         self.soft = soft
         self.events = events
         self.crash = crash
-        self._register = register(redis, "register.lua")
+        self._beat = register(redis, "heartbeat.lua")
 
     async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
+        version = -1 if hb.weight_version is None else hb.weight_version
         fields = {
             "id": hb.instance_id, "kind": hb.kind, "engine": hb.engine, "state": hb.state,
-            "run_id": hb.run_id or "", "weight_version": -1 if hb.weight_version is None
-            else hb.weight_version, "capacity": hb.capacity, "pid": hb.pid,
-            "metrics_port": hb.metrics_port, "last_seen": time.time(), "session": hb.session,
+            "run_id": hb.run_id or "", "weight_version": version, "capacity": hb.capacity,
+            "pid": hb.pid, "metrics_port": hb.metrics_port, "last_seen": time.time(),
+            "session": hb.session,
         }
-        held_rows = await self._register(
+        answer = await self._beat(
             keys=[Keys.instance(hb.instance_id), Keys.instances,
                   Keys.instance_held(hb.instance_id), Keys.departed(hb.instance_id),
-                  Keys.identity(hb.instance_id)],
+                  Keys.identity(hb.instance_id), Keys.active],
             args=[json.dumps([str(x) for kv in fields.items() for x in kv]),
                   int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
-                  fields["last_seen"]])
-        if held_rows is None:  # this process already released and left
+                  fields["last_seen"], Keys.run(""), RUN_INSTANCES_SUFFIX, Keys.events(""),
+                  hb.run_id or "", version, hb.kind, MAX_EVENTS, Keys.lease(""),
+                  Keys.request(""), self.ledger.lease_ttl_ms,
+                  *[x for h in hb.held for x in (h.request_id, h.epoch, h.buffered)]])
+        if answer is None:  # this process already released and left
             return HeartbeatReply(target=None, revoke=[h.request_id for h in hb.held])
+        held_rows, run_id, step, dropped = answer
+        target = (str(run_id), int(step)) if run_id else None
         server_held = set(held_rows)
-        target = await self.runs.target()
-        if target:  # for the run's instance timeline
-            await self.events.observe(target[0], hb.instance_id, hb.session, hb.kind,
-                                      hb.weight_version if hb.run_id == target[0] else None)
         reported = {held.request_id for held in hb.held}
-        prefix = f"{target[0]}:" if target else None
-        revoke = [h.request_id for h in hb.held
-                  if prefix is None or not h.request_id.startswith(prefix)]
-        revoke += await self.ledger.renew_many(hb.instance_id, [
-            (h.request_id, h.epoch, h.buffered) for h in hb.held
-            if prefix is not None and h.request_id.startswith(prefix)])
+        revoke = [str(r) for r in dropped]
         now = time.time()
         for rid in server_held - reported:
             assigned = await self.redis.hget(Keys.request(rid), "assigned_at")

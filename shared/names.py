@@ -27,6 +27,7 @@ import re
 
 PREFIX = "rlb"
 TOKENS_SUFFIX = ":tokens"  # Keys.tokens; the scripts get it from manager_svc.scripts
+RUN_INSTANCES_SUFFIX = ":instances"  # Keys.run_instances, after the run key
 CHUNK_STREAM = "RLB_CHUNKS"
 CHUNK_CONSUMER = "manager"
 
@@ -181,7 +182,7 @@ class Keys:
     @staticmethod
     def run_instances(run_id: str) -> str:
         """Hash instance id -> "session|weight version" last seen in the run (for its events)."""
-        return f"{PREFIX}:run:{run_id}:instances"
+        return Keys.run(run_id) + RUN_INSTANCES_SUFFIX
 
     @staticmethod
     def request(rid: str) -> str:

@@ -1,0 +1,105 @@
+"""A heartbeat against a real redis-server: one script registers it, answers the run to serve,
+renews the instance's own leases of that run, drops the rest and records its events once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from manager_svc.accounting import Ledger
+from manager_svc.archive import Archive
+from manager_svc.crash import CrashPoints
+from manager_svc.events import InstanceEvents
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.registry import Registry
+from manager_svc.runs import RunStore
+from manager_svc.soft_state import SoftState
+from shared.bus import connect_redis
+from shared.config import ManagerConfig
+from shared.names import Keys, request_id
+from shared.protocol import Heartbeat, Held, RunSpec, Target
+from shared.stack import Stack
+
+LEASE_TTL_S = 0.6
+
+
+@pytest.fixture
+async def parts(brokers: Stack, tmp_path: Path) -> AsyncIterator[tuple[Registry, str]]:
+    """A registry on a flushed Redis, with one running run at step 0 of four responses."""
+    redis = await connect_redis(brokers.redis.url)
+    await redis.flushdb()
+    archive = Archive(tmp_path)
+    runs = RunStore(redis, archive)
+    run_id = (await runs.create(RunSpec(model="emu", prompts_per_step=2,
+                                        samples_per_prompt=2)))["id"]
+    assert await runs.active() == run_id
+    ledger = Ledger(redis, lease_ttl_s=LEASE_TTL_S)
+    await ledger.create_step(run_id, 0, 0, [[1, 2], [3, 4]], samples=2, max_new_tokens=8)
+    registry = Registry(ManagerConfig(), redis, ledger, runs, ManagerMetrics(), SoftState(),
+                        InstanceEvents(redis, archive), CrashPoints("", tmp_path))
+    yield registry, run_id
+    await redis.aclose()
+
+
+def beat(held: list[Held], version: int | None = 0, run_id: str | None = None,
+         session: str = "s1") -> Heartbeat:
+    return Heartbeat(instance_id="i1", kind="spot", engine="emu", state="ready", run_id=run_id,
+                     weight_version=version, held=held, capacity=2, session=session)
+
+
+async def test_a_beat_renews_its_own_leases_and_drops_the_rest(
+        parts: tuple[Registry, str]) -> None:
+    registry, run_id = parts
+    ledger = registry.ledger
+    mine, theirs = request_id(run_id, 0, 0, 0), request_id(run_id, 0, 0, 1)
+    a = await ledger.assign(mine, "i1", 1.0, 0, 2)
+    b = await ledger.assign(theirs, "i2", 1.0, 0, 2)
+    assert a is not None and b is not None
+    other_run = request_id("run-gone", 3, 0, 0)  # still leased to it, but of another run
+    await ledger.r.set(Keys.lease(other_run), "i1:1")
+    reply = await registry.on_heartbeat(beat([
+        Held(request_id=mine, epoch=a.epoch, buffered=5), Held(request_id=theirs, epoch=1),
+        Held(request_id=other_run, epoch=1)], run_id=run_id))
+    assert reply.target == Target(run_id=run_id, weight_version=0)
+    assert sorted(reply.revoke) == sorted([theirs, other_run])
+    assert await ledger.r.hget(Keys.request(mine), "seen") == "5"
+    # Renewed on every beat, the lease outlives its TTL; the other instance's lapses.
+    for _ in range(4):
+        await asyncio.sleep(LEASE_TTL_S / 3)
+        await registry.on_heartbeat(beat([Held(request_id=mine, epoch=a.epoch)],
+                                         run_id=run_id))
+    assert await ledger.r.exists(Keys.lease(mine))
+    assert not await ledger.r.exists(Keys.lease(theirs))
+    [me] = [i for i in await registry.instances() if i["id"] == "i1"]
+    assert (me["held"], me["weight_version"], me["state"]) == (1, 0, "ready")
+
+
+async def test_join_and_each_new_version_are_recorded_once(parts: tuple[Registry, str]) -> None:
+    registry, run_id = parts
+    for _ in range(3):
+        await registry.on_heartbeat(beat([], version=None))
+    await registry.on_heartbeat(beat([], version=0, run_id=run_id))
+    await registry.on_heartbeat(beat([], version=0, run_id=run_id))
+    await registry.on_heartbeat(beat([], version=7, run_id="another-run"))  # not this run's
+    await registry.on_heartbeat(beat([], version=None, session="s2"))  # a new process
+    events = [(e["type"], e["version"]) for e in await registry.events.read(run_id)]
+    assert events == [("join", None), ("version", 0), ("join", None)]
+
+
+async def test_without_a_running_run_or_after_leaving_everything_is_dropped(
+        parts: tuple[Registry, str]) -> None:
+    registry, run_id = parts
+    rid = request_id(run_id, 0, 1, 0)
+    a = await registry.ledger.assign(rid, "i1", 1.0, 0, 2)
+    assert a is not None
+    held = [Held(request_id=rid, epoch=a.epoch)]
+    await registry.runs.set_state(run_id, "cancelled")
+    reply = await registry.on_heartbeat(beat(held, run_id=run_id))
+    assert (reply.target, reply.revoke) == (None, [rid])
+    await registry.redis.set(Keys.departed("i1"), "s1")  # this process released and left
+    reply = await registry.on_heartbeat(beat(held, run_id=run_id))
+    assert (reply.target, reply.revoke) == (None, [rid])
+    assert await registry.on_heartbeat(beat([], session="s2")) is not None  # a restart may
