@@ -5,6 +5,7 @@ token frames; and one step of a run driven from the trainer's side of the protoc
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
 import time
 from itertools import zip_longest
@@ -29,6 +30,7 @@ Frame = tuple[Meta, bytes]  # an encoded TokenFrame and what its entries carry
 INGEST_SPEC: dict[str, Any] = {"model": "emu", "steps": 1, "prompts_per_step": 128,
                                "samples_per_prompt": 8, "max_new_tokens": 2048, "seed": 11}
 PUBLISHERS = 32  # 32 instances x 32 responses
+BEAT_S = 0.5  # heartbeat period: rollout_svc's default RLBOOST_HEARTBEAT_S
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -66,6 +68,10 @@ class Publisher:
                 wire.Held(request_id=r, epoch=e) for r, e in self.finished.items()])
 
     async def heartbeats(self, nc: Any, stop: asyncio.Event) -> None:
+        # Each at its own phase, as independent machines are: started together, the whole
+        # fleet beat in one burst (128 beats, ~70 ms of the manager's time) just as a step's
+        # first leases went out.
+        await wait_event(stop, random.Random(self.iid).uniform(0.0, BEAT_S))
         while not stop.is_set():
             try:
                 reply = await request(nc, names.heartbeat_subject(self.iid), self.beat(),
@@ -78,7 +84,7 @@ class Publisher:
                 self.lost += rid not in self.finished and rid in self.held
                 self.finished.pop(rid, None)
                 self.held.pop(rid, None)
-            await wait_event(stop, 0.5)
+            await wait_event(stop, BEAT_S)
 
     def messages(self, engine: EmuEngine, flush: int) -> list[Frame]:
         """Every frame of this instance from the oracle: one per flush, with the next
