@@ -57,6 +57,11 @@ HANDOFF_FLUSH_S = RELEASE_COMMIT_WAIT_S + 1.0
 Instance = dict[str, Any]  # a row of Registry.instances()
 
 
+def window_open(info: dict[str, str]) -> bool:
+    """Whether the seeding window of a step (its hash ``info``) is still open."""
+    return time.time() < float(info.get("window_end", 0.0))
+
+
 def window_work(info: dict[str, str]) -> bool:
     """Whether a pass has seeding work on a step (its hash ``info``) even with nothing
     pending: an open adaptive window follows the spot count, and a window that closed
@@ -64,7 +69,7 @@ def window_work(info: dict[str, str]) -> bool:
     mode = info.get("mode", "off")
     if mode == "off":
         return False
-    if time.time() < float(info.get("window_end", 0.0)):
+    if window_open(info):
         return mode == "adaptive"
     return not info.get("handoff_at")
 
@@ -173,12 +178,12 @@ class Dispatcher:
         ready = [i for i in everyone if i["state"] == "ready" and i["run_id"] == step.run_id
                  and i["weight_version"] == version]
         mode = info.get("mode", "off")
-        if mode == "adaptive" and time.time() < float(info.get("window_end", 0.0)):
+        if mode == "adaptive" and window_open(info):
             await self._follow_capacity(step, everyone)
         if not self.cfg.midstep_join:
             started = float(info.get("started_at", 0.0))
             everyone, ready = joined_in_time(everyone, started), joined_in_time(ready, started)
-        if mode != "off" and time.time() < float(info.get("window_end", 0.0)):
+        if mode != "off" and window_open(info):
             return takers(ready, in_window=True, any_spot=True)
         any_spot = spot_alive(everyone)
         if mode != "off" and not info.get("handoff_at"):
