@@ -9,14 +9,17 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Cluster
-from shared.stack import Stack
+from shared.stack import Stack, free_port
 
 
 def start_cluster(root: Path, stack: Stack, env: dict[str, str] | None = None,
                   **kwargs: Any) -> Cluster:
     """The manager, weight service, trainer and rollout instances as real processes."""
+    # A free port of its own: the launcher prefers 8000 when it looks free, and every test
+    # taking that one port raced the last test's manager letting go of it ("address already
+    # in use", seen once in CI).
     base = {**stack.env(), "RLBOOST_DATA_DIR": str(root / "data"), "RLBOOST_TORCH_THREADS": "1",
-            **(env or {})}
+            "RLBOOST_MANAGER_URL": f"http://127.0.0.1:{free_port()}", **(env or {})}
     cluster = Cluster(root, base_env=base, role_env=stack.role_env(), **kwargs)
     cluster.start()
     return cluster
