@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from manager_svc.crash import STEP_CREATE_COMMIT, STEP_CREATE_REQUESTS, CrashPoints
-from manager_svc.scripts import register
+from manager_svc.scripts import Call, register, run_batch
 from shared.names import Keys, parse_request_id, request_id
 from shared.protocol import (
     Assignment,
@@ -110,7 +110,6 @@ class Ledger:
         self._close_step = register(redis, "close_step.lua")
         self._read_samples = register(redis, "read_samples.lua")
         self._expired_leases = register(redis, "expired_leases.lua")
-        self._held_prefix = Keys.instance("")
         # The commit script finds a step's sets by suffix; names.Keys stays the one definition.
         base = Keys.step("r", 0)
         self._step_suffixes = [k.removeprefix(base) for k in (
@@ -130,7 +129,7 @@ class Ledger:
         if await self.r.hexists(skey, "created"):
             return False
         pending = Keys.pending(run_id, step)
-        head: list[str | int] = [Keys.request(""), run_id, step, version, max_new_tokens]
+        head: list[str | int] = [run_id, step, version, max_new_tokens]
         args: list[str | int] = list(head)
         for p, prompt in enumerate(prompts):
             csv = token_csv(prompt)
@@ -171,8 +170,7 @@ class Ledger:
         retry of an applied extension returns it unchanged). Raises :class:`StepRefused` when
         the step is not dynamic, is closed, has another count than ``first``, or would pass
         ``max_prompts``."""
-        args: list[str | int] = [Keys.request(""), first, samples, max_prompts, max_new_tokens,
-                                 run_id, step]
+        args: list[str | int] = [first, samples, max_prompts, max_new_tokens, run_id, step]
         for i, prompt in enumerate(prompts):
             csv = token_csv(prompt)
             for s in range(samples):
@@ -194,8 +192,7 @@ class Ledger:
             keys=[Keys.step(run_id, step), Keys.pending(run_id, step),
                   Keys.leased(run_id, step), Keys.done(run_id, step),
                   Keys.dropped(run_id, step)],
-            args=[Keys.request(""), Keys.lease(""), self._held_prefix, int(capped),
-                  token_csv(sorted(keep)), token_csv(sorted(filtered))])
+            args=[int(capped), token_csv(sorted(keep)), token_csv(sorted(filtered))])
         status = int(got[0])
         if status == -1:
             raise StepRefused("the step does not exist or does not use dynamic sampling")
@@ -225,7 +222,7 @@ class Ledger:
         entry, frame after frame. ``wait_for_redis``: as :meth:`run_calls`."""
         return await self.run_calls(self.pack(frames), wait_for_redis)
 
-    async def run_calls(self, calls: list[list[str | bytes | float]],
+    async def run_calls(self, calls: list[Call],
                         wait_for_redis: bool = False) -> list[CommitResult]:
         """:meth:`run_commits` of calls :meth:`pack` made. With ``wait_for_redis`` an outage
         is waited out, never skipped: the stream holds later frames behind these, so every
@@ -253,35 +250,31 @@ class Ledger:
                             e.finish_reason or "", Keys.step(run_id, step)])
         return _json.encode([frame.instance_id, frame.kind, entries])
 
-    def pack(self, frames: list[TokenFrame]) -> list[list[str | bytes | float]]:
-        """The commit script's arguments for ``frames``: one call per COMMIT_SLICE entries."""
-        head: list[str | bytes | float] = [time.time(), self._held_prefix, Keys.request(""),
-                                           Keys.lease(""), *self._step_suffixes]
-        calls, args, size = [], list(head), 0
+    def pack(self, frames: list[TokenFrame]) -> list[Call]:
+        """The commit script's calls for ``frames``, in order: one per COMMIT_SLICE entries,
+        and a new one where the run changes (a call reaches the keys of one run: one slot of
+        a Redis Cluster). Every entry of a frame is of the run of its subject (ingest)."""
+        head: list[str | bytes | float] = [time.time(), *self._step_suffixes]
+        calls: list[Call] = []
+        args, size, run_id = list(head), 0, ""
         for frame in frames:
             if not frame.entries:
                 continue
+            frame_run = parse_request_id(frame.entries[0].request_id)[0]
+            if size and (size >= COMMIT_SLICE or frame_run != run_id):
+                calls.append(Call(self._commit, [Keys.run(run_id)], args))
+                args, size = list(head), 0
+            run_id = frame_run
             args.append(self._frame_arg(frame))
             size += len(frame.entries)
-            if size >= COMMIT_SLICE:
-                calls.append(args)
-                args, size = list(head), 0
         if size:
-            calls.append(args)
+            calls.append(Call(self._commit, [Keys.run(run_id)], args))
         return calls
 
-    async def run_commits(self, calls: list[list[str | bytes | float]]) -> list[CommitResult]:
+    async def run_commits(self, calls: list[Call]) -> list[CommitResult]:
         """Run packed commit calls in one round trip (the benchmark's Redis-only bound runs
         exactly this, with no NATS and no manager in front of it)."""
-        if not calls:
-            return []
-        if len(calls) == 1:
-            replies = [await self._commit(keys=[], args=calls[0])]
-        else:
-            pipe = self.r.pipeline(transaction=False)
-            for call in calls:
-                await self._commit(keys=[], args=call, client=pipe)
-            replies = await pipe.execute()
+        replies = await run_batch(self.r, calls)
         return [CommitResult(status, int(n)) for reply in replies
                 for status, n in (item.split(" ") for item in str(reply).split(","))]
 
@@ -319,23 +312,18 @@ class Ledger:
         if not calls:
             return out
         now = time.time()
-        if len(calls) == 1:
-            replies = [await self._assign(**self._assign_call(calls[0][1], calls[0][2], now))]
-        else:
-            pipe = self.r.pipeline(transaction=False)
-            for _, instance_id, rids in calls:
-                await self._assign(**self._assign_call(instance_id, rids, now), client=pipe)
-            replies = await pipe.execute()
+        replies = await run_batch(self.r, [self._assign_call(instance_id, rids, now)
+                                           for _, instance_id, rids in calls])
         for (k, _, rids), reply in zip(calls, replies, strict=True):
             out[k] = self._assignments(rids, reply, temperature, seed, eos_token_id)
         return out
 
-    def _assign_call(self, instance_id: str, rids: list[str], now: float) -> dict[str, Any]:
+    def _assign_call(self, instance_id: str, rids: list[str], now: float) -> Call:
         run_id, step, _, _ = parse_request_id(rids[0])
-        return {"keys": [Keys.pending(run_id, step), Keys.leased(run_id, step),
-                         Keys.step(run_id, step)],
-                "args": [instance_id, self.lease_ttl_ms, now, self._held_prefix,
-                         Keys.request(""), Keys.lease(""), *rids]}
+        return Call(self._assign, [Keys.pending(run_id, step), Keys.leased(run_id, step),
+                                   Keys.step(run_id, step), Keys.held(run_id, instance_id),
+                                   Keys.holders(run_id)],
+                    [instance_id, self.lease_ttl_ms, now, *rids])
 
     def _assignments(self, rids: list[str], got: list[Any], temperature: float, seed: int,
                      eos_token_id: int) -> list[Assignment]:
@@ -359,38 +347,40 @@ class Ledger:
         done = await self._revoke(
             keys=[Keys.request(rid), Keys.lease(rid), Keys.pending(run_id, step),
                   Keys.leased(run_id, step), Keys.step(run_id, step)],
-            args=[rid, "" if expected_epoch is None else expected_epoch, self._held_prefix,
-                  self.migration],
+            args=[rid, "" if expected_epoch is None else expected_epoch, self.migration],
         )
         return bool(done)
 
     async def expired_leases(self, run_id: str, step: int) -> list[str]:
         """The step's leased responses whose lease nobody renewed in time, sorted."""
-        gone = await self._expired_leases(keys=[Keys.leased(run_id, step)],
-                                          args=[Keys.lease("")])
+        gone = await self._expired_leases(keys=[Keys.leased(run_id, step)])
         return sorted(str(r) for r in gone)
 
     async def renew_many(self, instance_id: str, held: list[tuple[str, int, int]]) -> list[str]:
-        """Renew every (request id, epoch, buffered) lease of one heartbeat; returns the
-        request ids whose lease is no longer the instance's."""
-        if not held:
-            return []
-        args: list[str | int] = [Keys.lease(""), Keys.request(""), instance_id, self.lease_ttl_ms]
+        """Renew every (request id, epoch, buffered) lease an instance reports; returns the
+        request ids whose lease is no longer the instance's. One script call per run."""
+        by_run: dict[str, list[str | int]] = {}
         for rid, epoch, buffered in held:
-            args += [rid, epoch, buffered]
-        lost = await self._renew_many(keys=[], args=args)
-        return [str(r) for r in lost]
+            by_run.setdefault(parse_request_id(rid)[0], []).extend((rid, epoch, buffered))
+        replies = await run_batch(self.r, [
+            Call(self._renew_many, [Keys.run(run_id)], [instance_id, self.lease_ttl_ms, *args])
+            for run_id, args in by_run.items()])
+        return [str(r) for lost in replies for r in lost]
 
     async def _rows(self, rids: list[str]) -> list[list[str | None]]:
         """Each response's stored (p, s, version, prompt, tokens, finish, instances), in
         ``rids`` order: READ_SLICE responses a script call, every call in one round trip."""
         if not rids:
             return []
-        pipe = self.r.pipeline(transaction=False)
-        for i in range(0, len(rids), READ_SLICE):
-            await self._read_samples(keys=[], args=[Keys.request(""), *rids[i:i + READ_SLICE]],
-                                     client=pipe)
-        rows = [row for part in await pipe.execute() for row in part]
+        calls: list[Call] = []
+        run_id = ""
+        for rid in rids:  # READ_SLICE at most a call, each call of one run (its slot)
+            of = rid.partition(":")[0]
+            if of != run_id or len(calls[-1].args) >= READ_SLICE:
+                run_id = of
+                calls.append(Call(self._read_samples, [Keys.run(of)], []))
+            calls[-1].args.append(rid)
+        rows = [row for part in await run_batch(self.r, calls) for row in part]
         for rid, row in zip(rids, rows, strict=True):
             if row[0] is None:  # listed as complete yet gone: never made up as an empty sample
                 raise LookupError(f"response {rid} has no stored record")

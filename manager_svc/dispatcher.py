@@ -134,7 +134,7 @@ class Dispatcher:
             return 0
         sent, left = await self._lease_fairly(step, ready, pending)
         if not left and self.cfg.rebalance_skew:
-            await self._rebalance(ready)  # nothing left to lease: even out what is held
+            await self._rebalance(step, ready)  # nothing left to lease: even out holdings
         return sent
 
     # --- the mechanics of each stage -------------------------------------------------------
@@ -174,7 +174,7 @@ class Dispatcher:
         spot instances, unless no spot instance is alive at all, in which case the reserved
         side generates everything (co-located)."""
         info, version = step.info, int(step.info["version"])
-        everyone = await self.registry.instances()
+        everyone = await self.registry.instances(step.run_id)
         ready = [i for i in everyone if i["state"] == "ready" and i["run_id"] == step.run_id
                  and i["weight_version"] == version]
         mode = info.get("mode", "off")
@@ -256,7 +256,7 @@ class Dispatcher:
         for inst in everyone:
             if inst["kind"] == "reserved":
                 rids = sorted(r for r in await self.redis.smembers(
-                    Keys.instance_held(inst["id"])) if r.startswith(prefix))
+                    Keys.held(step.run_id, inst["id"])) if r.startswith(prefix))
                 if rids:
                     held[inst["id"]] = rids
         return held
@@ -292,14 +292,14 @@ class Dispatcher:
                 sent += len(batch)
         return sent, bool(queue)
 
-    async def _rebalance(self, ready: list[Instance]) -> None:
+    async def _rebalance(self, step: ActiveStep, ready: list[Instance]) -> None:
         """Token-level load balancing by :func:`rebalance_move` (an instance joined mid-step,
         or its responses ran long): the moved responses continue from their committed tokens
         on the next dispatch, by the migration path."""
         if len(ready) < 2:
             return
         ids = {i["id"] for i in ready}  # re-read: the held counts changed as work went out
-        ready = [i for i in await self.registry.instances() if i["id"] in ids]
+        ready = [i for i in await self.registry.instances(step.run_id) if i["id"] in ids]
         now = time.monotonic()
         idle_marks(ready, self._idle_since, now)
         chosen = rebalance_move(ready, self._idle_since, self._rebalanced, now,
@@ -308,7 +308,7 @@ class Dispatcher:
             return
         busy, idle, count = chosen
         self._rebalanced[busy["id"]] = now
-        held = sorted(await self.redis.smembers(Keys.instance_held(busy["id"])))
+        held = sorted(await self.redis.smembers(Keys.held(step.run_id, busy["id"])))
         pipe = self.redis.pipeline(transaction=False)
         for rid in held:
             pipe.hget(Keys.request(rid), "n")

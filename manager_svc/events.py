@@ -6,7 +6,7 @@ session while the run is active (instances already up when a run starts join it 
 beat), a *version* is a heartbeat reporting a newly loaded weight version of the run, a
 *leave* is a release (``reason`` preempt, shutdown or abort), a *death* is the reaper finding
 a heartbeat expired. Join and version are recorded by the heartbeat's own script
-(``lua/observe.lua`` inside ``lua/heartbeat.lua``, :mod:`manager_svc.registry`), so a change
+(``lua/observe.lua`` inside ``lua/beat_run.lua``, :mod:`manager_svc.registry`), so a change
 is recorded once however beats interleave. Stream ids are Redis's clock in ms, so an
 event's time is its id; :meth:`InstanceEvents.read` pages by id. The stream is capped at
 :data:`MAX_EVENTS` (trimmed approximately, oldest first): 1,000 steps of 100 instances each

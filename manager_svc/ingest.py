@@ -39,6 +39,7 @@ from manager_svc.accounting import COMMIT_SLICE, CommitResult, Ledger
 from manager_svc.chunk_auth import ChunkAuth, invalid
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
+from manager_svc.scripts import Call
 from manager_svc.soft_state import SoftState
 from shared import names
 from shared.errors import ProtocolError
@@ -114,7 +115,7 @@ class _Part:
     frames: list[TokenFrame] = field(default_factory=list)
     keep: list[NatsMsg] = field(default_factory=list)  # acked after the commit
     entries: int = 0
-    calls: list[list[str | bytes | float]] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
 
 
 class ChunkIngest:

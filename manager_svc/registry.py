@@ -1,8 +1,8 @@
 """The instance registry: which rollout instances are alive, and taking work back from the gone.
 
-Contract: an instance is a Redis hash that each heartbeat refreshes (``lua/heartbeat.lua``) and
-that expires ``instance_ttl_s`` after the last one; the set of the responses it holds is Redis
-data too. A heartbeat renews the leases the instance reports, takes back what it should hold
+Contract: an instance is a Redis hash that each heartbeat refreshes (``lua/beat.lua``, then
+``lua/beat_run.lua`` in the run it serves) and that expires ``instance_ttl_s`` after the last
+one; the set of the responses it holds in the active run is Redis data too. A heartbeat renews the leases the instance reports, takes back what it should hold
 but never confirmed, and is answered with the run and weight version to serve. An instance
 leaves in one of two ways: a release (it hands its work back after its last chunks are
 committed, and its session is barred, so a late beat cannot bring it back), or silence (its hash
@@ -29,7 +29,7 @@ from manager_svc.runs import RunStore
 from manager_svc.scripts import register
 from manager_svc.soft_state import SoftState
 from shared.config import ManagerConfig
-from shared.names import RUN_INSTANCES_SUFFIX, Keys
+from shared.names import Keys
 from shared.protocol import Ack, Heartbeat, HeartbeatReply, Release, Target
 
 log = logging.getLogger("manager")
@@ -53,7 +53,8 @@ class Registry:
         self.soft = soft
         self.events = events
         self.crash = crash
-        self._beat = register(redis, "heartbeat.lua")
+        self._beat = register(redis, "beat.lua")
+        self._beat_run = register(redis, "beat_run.lua")
 
     async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
         version = -1 if hb.weight_version is None else hb.weight_version
@@ -63,20 +64,24 @@ class Registry:
             "pid": hb.pid, "metrics_port": hb.metrics_port, "last_seen": time.time(),
             "session": hb.session,
         }
-        answer = await self._beat(
-            keys=[Keys.instance(hb.instance_id), Keys.instances,
-                  Keys.instance_held(hb.instance_id), Keys.departed(hb.instance_id),
+        # Two scripts, one per slot (the control keys', then the run's): a Redis Cluster
+        # keeps them apart, and the second must not run for a process that left.
+        run_id = await self._beat(
+            keys=[Keys.instance(hb.instance_id), Keys.instances, Keys.departed(hb.instance_id),
                   Keys.identity(hb.instance_id), Keys.active],
             args=[json.dumps([str(x) for kv in fields.items() for x in kv]),
                   int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
-                  fields["last_seen"], Keys.run(""), RUN_INSTANCES_SUFFIX, Keys.events(""),
-                  hb.run_id or "", version, hb.kind, MAX_EVENTS, Keys.lease(""),
-                  Keys.request(""), self.ledger.lease_ttl_ms,
-                  *[x for h in hb.held for x in (h.request_id, h.epoch, h.buffered)]])
-        if answer is None:  # this process already released and left
+                  fields["last_seen"]])
+        if run_id is None or run_id == "":  # it already released and left, or no run is on
             return HeartbeatReply(target=None, revoke=[h.request_id for h in hb.held])
-        held_rows, run_id, step, dropped = answer
-        target = (str(run_id), int(step)) if run_id else None
+        run_id = str(run_id)
+        held_rows, step, dropped = await self._beat_run(
+            keys=[Keys.run(run_id), Keys.held(run_id, hb.instance_id),
+                  Keys.run_instances(run_id), Keys.events(run_id)],
+            args=[run_id, hb.instance_id, hb.session, hb.run_id or "", version, hb.kind,
+                  MAX_EVENTS, self.ledger.lease_ttl_ms,
+                  *[x for h in hb.held for x in (h.request_id, h.epoch, h.buffered)]])
+        target = (run_id, int(step)) if step is not None else None
         server_held = set(held_rows)
         reported = {held.request_id for held in hb.held}
         revoke = [str(r) for r in dropped]
@@ -138,15 +143,20 @@ class Registry:
             if revoked:
                 await self._count_preemption(revoked)
 
-    async def instances(self) -> list[dict[str, Any]]:
+    async def instances(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Every live instance, with how many responses of ``run_id`` (by default the
+        active run) it holds."""
         ids = sorted(await self.redis.smembers(Keys.instances))
+        run_id = run_id or await self.redis.get(Keys.active)
         pipe = self.redis.pipeline(transaction=False)
         for i in ids:
             pipe.hgetall(Keys.instance(i))
-            pipe.scard(Keys.instance_held(i))
+        for i in ids if run_id else ():  # with no run on, nobody holds anything
+            pipe.scard(Keys.held(run_id or "", i))
         rows = await pipe.execute()
+        counts = rows[len(ids):] or [0] * len(ids)
         out = []
-        for i, (info, held) in zip(ids, zip(rows[::2], rows[1::2], strict=True), strict=True):
+        for i, info, held in zip(ids, rows[:len(ids)], counts, strict=True):
             if not info:
                 continue  # expired: the reaper will take its work back
             version = int(info.get("weight_version", -1))
@@ -189,13 +199,19 @@ class Registry:
             await pipe.execute()
 
     async def _forget(self, instance_id: str) -> int:
+        """Take back what the instance holds in the active run (what it held in an ended
+        run no longer matters: those keys expire with the run) and forget it."""
         revoked = 0
-        for rid in await self.redis.smembers(Keys.instance_held(instance_id)):
+        run_id = await self.redis.get(Keys.active)
+        held = Keys.held(run_id, instance_id) if run_id else None
+        for rid in await self.redis.smembers(held) if held else ():
             if await self.ledger.revoke(rid):
                 self.metrics.revocations.labels("dead").inc()
                 revoked += 1
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(Keys.instance(instance_id), Keys.instance_held(instance_id))
+        pipe.delete(Keys.instance(instance_id))
+        if held:
+            pipe.delete(held)
         pipe.srem(Keys.instances, instance_id)
         await pipe.execute()
         return revoked

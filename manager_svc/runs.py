@@ -36,6 +36,8 @@ LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_
                  "invalid_chunks_dropped", "tokens_discarded")
 WARNINGS_MAX = 50  # warnings kept per run
 DROP_BATCH = 1024  # responses (two keys each) per DEL when a finished step leaves Redis
+# Activations tried in one call: each refused one (cancelled while queued) is cleared first.
+ACTIVATE_TRIES = 64
 
 
 class QueueFull(Exception):
@@ -54,8 +56,9 @@ class RunStore:
         self.retention_ms = max(1, int(retention_s * 1000))
         self.max_queued = max_queued
         self._activate = register(redis, "activate.lua")
+        self._start_run = register(redis, "start_run.lua")
+        self._clear_active = register(redis, "clear_active.lua")
         self._enqueue = register(redis, "enqueue.lua")
-        self._prune = register(redis, "prune_runs.lua")
         self._finish_step = register(redis, "finish_step.lua")
 
     async def create(self, spec: RunSpec) -> dict[str, Any]:
@@ -65,10 +68,13 @@ class RunStore:
                   "spec": encode(spec).decode(), "created_at": now, "updated_at": now,
                   "error": ""}
         # The queue holds queued runs only (a cancel takes its run out), so its length is the
-        # count; the check and the writes are one script, so racing POSTs never pass the limit.
-        fields = [str(x) for kv in record.items() for x in kv]
-        if not await self._enqueue(keys=[Keys.run(run_id), Keys.runs, Keys.queue],
-                                   args=[self.max_queued, run_id, repr(now), *fields]):
+        # count; the check and the queueing are one script, so racing POSTs never pass the
+        # limit. The record is written first, in its run's slot: nothing reads a run before
+        # the index and the queue list it (a crash between leaves a record nobody lists).
+        await self.r.hset(Keys.run(run_id), mapping=record)
+        if not await self._enqueue(keys=[Keys.runs, Keys.queue],
+                                   args=[self.max_queued, run_id, repr(now)]):
+            await self.r.delete(Keys.run(run_id))
             raise QueueFull(f"{self.max_queued} runs are queued already "
                             "(RLBOOST_MAX_QUEUED_RUNS); retry when one has started")
         return await self.get(run_id) or {}
@@ -113,13 +119,26 @@ class RunStore:
     async def active(self) -> str | None:
         """The running run, activating the next queued one if none is running.
 
-        One atomic script (``lua/activate.lua``): the manager's handlers call this
-        concurrently, and a check-then-act in Python let one caller see a half-activated run
-        and deactivate it for good.
+        Two atomic scripts, one per slot: ``lua/activate.lua`` makes the head of the queue
+        the active run if none is, ``lua/start_run.lua`` marks the active run running. Each
+        is safe to repeat, so an activation cut between them (a crash) is finished by the
+        next call, whoever makes it: the manager's handlers call this concurrently, and a
+        check-then-act in Python let one caller see a half-activated run and deactivate it
+        for good. A run that cannot run (cancelled while queued) stops being active, and the
+        next one is tried.
         """
-        got = await self._activate(keys=[Keys.active, Keys.queue],
-                                   args=[Keys.run(""), time.time()])
-        return str(got) if got else None
+        for _ in range(ACTIVATE_TRIES):
+            run_id = await self._activate(keys=[Keys.active, Keys.queue])
+            if not run_id:
+                return None
+            if await self._start_run(keys=[Keys.run(run_id)], args=[time.time()]):
+                return str(run_id)
+            await self.clear_active(run_id)
+        return None
+
+    async def clear_active(self, run_id: str) -> None:
+        """The run, ended or cancelled, is no longer the active one (if it still is)."""
+        await self._clear_active(keys=[Keys.active], args=[run_id])
 
     async def target(self) -> tuple[str, int] | None:
         """The running run and the step it is at: what rollout instances should serve now."""
@@ -135,8 +154,7 @@ class RunStore:
             return None
         if run["state"] in ("queued", "running"):
             await self.r.lrem(Keys.queue, 0, run_id)
-            if await self.r.get(Keys.active) == run_id:
-                await self.r.delete(Keys.active)
+            await self.clear_active(run_id)
             await self.set_state(run_id, "cancelled")
         return await self.get(run_id)
 
@@ -148,7 +166,8 @@ class RunStore:
         stopped are kept (they were generated with that same version, so they stay on-policy
         and each is still trained on once). A run that finished no step has no checkpoint:
         :class:`RunConflict`, as for a run that is not failed or cancelled. Watched, so two
-        concurrent resumes queue it once.
+        concurrent resumes queue it once. The run's record changes first, in its slot; the
+        queue after (a crash between leaves it queued and unlisted: :meth:`sweep` queues it).
         """
         key = Keys.run(run_id)
         # Retiring it set its keys to expire; the resumed run keeps them (read before the
@@ -172,16 +191,21 @@ class RunStore:
                     pipe.multi()
                     pipe.hset(key, mapping={"state": "queued", "error": "",
                                             "updated_at": time.time()})
-                    pipe.rpush(Keys.queue, run_id)
                     for k in (key, *kept):
                         pipe.persist(k)
                     pipe.hdel(key, "retired")
-                    pipe.zrem(Keys.expiring, run_id)
                     await pipe.execute()
                     break
                 except WatchError:
                     continue
+        await self._requeue(run_id)
         return await self.get(run_id)
+
+    async def _requeue(self, run_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.rpush(Keys.queue, run_id)
+        pipe.zrem(Keys.expiring, run_id)
+        await pipe.execute()
 
     async def finish_step(
         self, run_id: str, step: int, record: dict[str, Any], samples_json: str, steps: int,
@@ -199,8 +223,7 @@ class RunStore:
         text = json.dumps(record)
         await self.archive.write_step(run_id, step, text, samples_json)
         recorded = await self._finish_step(
-            keys=[Keys.run(run_id), Keys.samples(run_id, step), Keys.step_records(run_id),
-                  Keys.active],
+            keys=[Keys.run(run_id), Keys.samples(run_id, step), Keys.step_records(run_id)],
             args=[step, samples_json, text, time.time(),
                   "" if checkpoints is None else json.dumps(checkpoints),
                   int(step + 1 >= steps)])
@@ -213,6 +236,8 @@ class RunStore:
             if kept and kept_samples is not None:
                 await self.archive.write_step(run_id, step, kept[-1], kept_samples)
             return
+        if step + 1 >= steps:
+            await self.clear_active(run_id)
         if step > 0:
             await self._drop_step(run_id, step - 1)
         if step + 1 >= steps:
@@ -246,25 +271,42 @@ class RunStore:
             "warnings": await self.warnings(run_id),
             "checkpoints": json.loads(raw.get("checkpoints") or "[]"),
             "events": [[entry_id, fields] for entry_id, fields in events]})
-        pipe = self.r.pipeline(transaction=True)
+        # Listed as expiring first: a crash before the run's own keys are set to expire
+        # leaves it unretired, and the startup sweep retires it again.
+        await self.r.zadd(Keys.expiring, {run_id: int(time.time() * 1000) + self.retention_ms})
+        pipe = self.r.pipeline(transaction=True)  # the run's keys: one slot
         for key in await self._keys(run_id, int(raw["step"])):
             pipe.pexpire(key, self.retention_ms)
         pipe.hset(Keys.run(run_id), "retired", 1)
         pipe.pexpire(Keys.run(run_id), self.retention_ms)
-        pipe.zadd(Keys.expiring, {run_id: int(time.time() * 1000) + self.retention_ms})
         await pipe.execute()
 
     async def prune(self, batch: int = 1000) -> int:
         """Take runs whose keys expired out of the runs index (the archive lists them now);
-        how many left. The manager calls this periodically."""
-        return int(await self._prune(keys=[Keys.runs, Keys.expiring],
-                                     args=[Keys.run(""), int(time.time() * 1000), batch]))
+        how many left. The manager calls this periodically. A run whose record still lives
+        (resumed) stays listed."""
+        due = await self.r.zrangebyscore(Keys.expiring, "-inf", int(time.time() * 1000),
+                                         start=0, num=batch)
+        if not due:
+            return 0
+        pipe = self.r.pipeline(transaction=False)
+        for run_id in due:
+            pipe.exists(Keys.run(run_id))
+        gone = [run_id for run_id, alive in zip(due, await pipe.execute(), strict=True)
+                if not alive]
+        if gone:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.zrem(Keys.runs, *gone)
+            pipe.zrem(Keys.expiring, *gone)
+            await pipe.execute()
+        return len(gone)
 
     async def _keys(self, run_id: str, step: int) -> list[str]:
         """Every key of the run but its hash, for steps up to ``step`` (leases are left to
         their own short TTL)."""
         keys = [Keys.step_records(run_id), Keys.run_warnings(run_id), Keys.events(run_id),
-                Keys.run_instances(run_id), Keys.seeding(run_id)]
+                Keys.run_instances(run_id), Keys.seeding(run_id), Keys.holders(run_id)]
+        keys += [Keys.held(run_id, i) for i in await self.r.smembers(Keys.holders(run_id))]
         for n in range(step + 1):  # the current step too, if the run ended inside it
             sets = [Keys.done(run_id, n), Keys.pending(run_id, n), Keys.leased(run_id, n),
                     Keys.dropped(run_id, n)]
@@ -277,11 +319,16 @@ class RunStore:
         return keys
 
     async def sweep(self, recent: int = 1000) -> None:
-        """Retire the ended runs a killed manager never retired (among the newest)."""
+        """Retire the ended runs a killed manager never retired, and queue the queued runs
+        it never queued (a resume cut before its queueing), among the newest."""
+        queued = set(await self.r.lrange(Keys.queue, 0, -1))
+        queued.add(await self.r.get(Keys.active) or "")
         for run_id in await self.r.zrevrange(Keys.runs, 0, recent - 1):
             state, retired = await self.r.hmget(Keys.run(run_id), ["state", "retired"])
             if state in TERMINAL and not retired:
                 await self.retire(run_id)
+            elif state == "queued" and run_id not in queued:
+                await self._requeue(run_id)
 
     async def checkpoints(self, run_id: str) -> list[dict[str, Any]] | None:
         """The versions kept for the user, oldest first, each with the step that made it

@@ -162,7 +162,7 @@ class TrainerApi:
         if digest is None or digest != fin.digest:
             # The trainer trained on something other than the barrier's data: invariant 3.
             await self.runs.set_state(fin.run_id, "failed", "barrier digest mismatch")
-            await self.redis.delete(Keys.active)
+            await self.runs.clear_active(fin.run_id)
             return Ack(ok=False, detail="digest does not match the barrier's")
         samples = await self.ledger.done_samples(fin.run_id, fin.step)
         rewards = {(r.prompt_index, r.sample_index): r.reward for r in fin.rewards}
@@ -258,8 +258,7 @@ class TrainerApi:
 
     async def on_run_failed(self, msg: RunFailed) -> Ack:
         await self.runs.set_state(msg.run_id, "failed", msg.error[:2000])
-        if await self.redis.get(Keys.active) == msg.run_id:
-            await self.redis.delete(Keys.active)
+        await self.runs.clear_active(msg.run_id)
         return Ack()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import msgspec
@@ -29,6 +29,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
+from redis.asyncio.cluster import RedisCluster
 
 from shared import names
 from shared.errors import PeerError, PeerTimeout, ProtocolError
@@ -99,9 +100,30 @@ async def ensure_chunk_stream(js: JetStreamContext, replicas: int = 1) -> None:
 
 
 REDIS_CONNECTIONS = 64  # per client; more concurrent commands wait for one
+# Per node of a Redis Cluster, whose pools refuse (rather than wait) past their size.
+CLUSTER_CONNECTIONS = 512
 
 
 async def connect_redis(url: str, deadline_s: float = 30.0) -> aioredis.Redis:
+    """A client of the Redis at ``url``: of the whole cluster when that server is a node of
+    a Redis Cluster (``cluster_enabled``: the same URL variable names any one node, and the
+    client finds the others and the slot of every key), else of that server."""
+    client = await _connect_one(url, deadline_s)
+    if int((await client.info("cluster")).get("cluster_enabled", 0)) != 1:
+        return client
+    await client.aclose()
+    cluster = RedisCluster.from_url(
+        url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2,
+        health_check_interval=5, max_connections=CLUSTER_CONNECTIONS)
+    await cluster.initialize()
+    log.info("Redis at %s is a cluster of %d nodes", mask_url(url),
+             len(cluster.get_primaries()))
+    # The cluster client serves every command, pipeline and script call the services make
+    # (each call reaches one slot: shared.names.Keys), so the parts hold it as a client.
+    return cast(aioredis.Redis, cluster)
+
+
+async def _connect_one(url: str, deadline_s: float) -> aioredis.Redis:
     end = time.monotonic() + deadline_s
     while True:
         # A blocking pool: a burst of handlers (hundreds of instances heartbeating at once)

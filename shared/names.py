@@ -115,69 +115,100 @@ def parse_request_id(rid: str) -> tuple[str, int, int, int]:
     return run_id, int(step), int(prompt), int(sample)
 
 
-class Keys:
-    """Redis keys. Everything the control plane knows lives under these, never only in memory."""
+def tag(run_id: str) -> str:
+    """A run's Redis hash tag: Redis Cluster places every key holding ``{<run>}`` on the slot
+    of ``<run>``, so every key of a run is on one slot and one script may reach any of them.
+    Run ids hold no braces (``REQUEST_ID_PATTERN``), so the tag is exactly the run id."""
+    return "{" + run_id + "}"
 
-    runs = f"{PREFIX}:runs"  # zset run id -> creation time
-    queue = f"{PREFIX}:runq"  # list of queued run ids, FIFO
-    expiring = f"{PREFIX}:runs:expiring"  # zset ended run id -> when its keys expire (ms)
-    active = f"{PREFIX}:active"  # the run now being trained
-    instances = f"{PREFIX}:instances"  # set of instance ids ever seen and not yet reaped
-    dispatch_leader = f"{PREFIX}:leader:dispatch"  # the manager replica that dispatches
+
+def _tagged(prefix: str, rid: str) -> str:
+    """``<prefix>{<run>}:<step>:<prompt>:<sample>``: a response's key, in its run's slot (the
+    scripts build the same in keys.lua)."""
+    run_id, rest = rid.split(":", 1)
+    return f"{prefix}{{{run_id}}}:{rest}"
+
+
+# Key prefixes the scripts build keys from (keys.lua, as constants: manager_svc.scripts).
+REQUEST_PREFIX = f"{PREFIX}:req:"
+LEASE_PREFIX = f"{PREFIX}:lease:"
+HELD_PREFIX = f"{PREFIX}:held:"
+RUN_PREFIX = f"{PREFIX}:run:"
+# The control keys (run index and queue, the active run, instances and their liveness, the
+# dispatch lease) share one tag, so the scripts that change several of them at once (a run's
+# queueing and activation, a heartbeat's registration) stay on one slot of a Redis Cluster.
+CONTROL = f"{{{PREFIX}}}"
+
+
+class Keys:
+    """Redis keys. Everything the control plane knows lives under these, never only in memory.
+
+    Two kinds, so that Redis Cluster can hold them: every key of one run carries the run's
+    hash tag (:func:`tag`: its run record, steps, responses, leases, the sets of what each
+    instance holds in it), and every control key carries :data:`CONTROL`. No script reaches
+    keys of both kinds, nor of two runs (tests/system/test_redis_cluster.py runs a whole run
+    on a 3-node cluster)."""
+
+    runs = f"{CONTROL}:runs"  # zset run id -> creation time
+    queue = f"{CONTROL}:runq"  # list of queued run ids, FIFO
+    expiring = f"{CONTROL}:runs:expiring"  # zset ended run id -> when its keys expire (ms)
+    active = f"{CONTROL}:active"  # the run now being trained
+    instances = f"{CONTROL}:instances"  # set of instance ids ever seen and not yet reaped
+    dispatch_leader = f"{CONTROL}:leader:dispatch"  # the manager replica that dispatches
 
     @staticmethod
     def run(run_id: str) -> str:
-        return f"{PREFIX}:run:{run_id}"
+        return RUN_PREFIX + tag(run_id)
 
     @staticmethod
     def step(run_id: str, step: int) -> str:
-        return f"{PREFIX}:step:{run_id}:{step}"
+        return f"{PREFIX}:step:{tag(run_id)}:{step}"
 
     @staticmethod
     def pending(run_id: str, step: int) -> str:
         """Set of request ids of the step waiting for an instance."""
-        return f"{PREFIX}:step:{run_id}:{step}:pending"
+        return Keys.step(run_id, step) + ":pending"
 
     @staticmethod
     def leased(run_id: str, step: int) -> str:
         """Set of request ids of the step held under a lease."""
-        return f"{PREFIX}:step:{run_id}:{step}:leased"
+        return Keys.step(run_id, step) + ":leased"
 
     @staticmethod
     def done(run_id: str, step: int) -> str:
         """Set of request ids of the step whose response is complete."""
-        return f"{PREFIX}:step:{run_id}:{step}:done"
+        return Keys.step(run_id, step) + ":done"
 
     @staticmethod
     def dropped(run_id: str, step: int) -> str:
         """Set of request ids of the step that dynamic sampling left out of its training data
         (complete but not kept, or aborted in flight); kept so their hashes are deleted too."""
-        return f"{PREFIX}:step:{run_id}:{step}:dropped"
+        return Keys.step(run_id, step) + ":dropped"
 
     @staticmethod
     def seeding(run_id: str) -> str:
         """The seeding controller's measurements and current window for a run."""
-        return f"{PREFIX}:seeding:{run_id}"
+        return f"{PREFIX}:seeding:{tag(run_id)}"
 
     @staticmethod
     def step_records(run_id: str) -> str:
         """List of finished-step records (JSON), index == step."""
-        return f"{PREFIX}:steps:{run_id}"
+        return f"{PREFIX}:steps:{tag(run_id)}"
 
     @staticmethod
     def samples(run_id: str, step: int) -> str:
         """JSON list of the samples the trainer trained on, rewards included."""
-        return f"{PREFIX}:samples:{run_id}:{step}"
+        return f"{PREFIX}:samples:{tag(run_id)}:{step}"
 
     @staticmethod
     def run_warnings(run_id: str) -> str:
         """List of warnings about a run (a tracker that did not start), oldest first."""
-        return f"{PREFIX}:run:{run_id}:warnings"
+        return Keys.run(run_id) + ":warnings"
 
     @staticmethod
     def events(run_id: str) -> str:
         """Capped stream of the run's instance events: join, version, leave, death."""
-        return f"{PREFIX}:events:{run_id}"
+        return f"{PREFIX}:events:{tag(run_id)}"
 
     @staticmethod
     def run_instances(run_id: str) -> str:
@@ -185,8 +216,13 @@ class Keys:
         return Keys.run(run_id) + RUN_INSTANCES_SUFFIX
 
     @staticmethod
+    def holders(run_id: str) -> str:
+        """Set of the instances ever leased a response of the run: whose held sets it has."""
+        return Keys.run(run_id) + ":holders"
+
+    @staticmethod
     def request(rid: str) -> str:
-        return f"{PREFIX}:req:{rid}"
+        return _tagged(REQUEST_PREFIX, rid)
 
     @staticmethod
     def tokens(rid: str) -> str:
@@ -203,29 +239,30 @@ class Keys:
     @staticmethod
     def lease(rid: str) -> str:
         """"<instance>:<epoch>" with a TTL; its absence means the response is not owned."""
-        return f"{PREFIX}:lease:{rid}"
+        return _tagged(LEASE_PREFIX, rid)
+
+    @staticmethod
+    def held(run_id: str, instance_id: str) -> str:
+        """Set of the run's request ids leased to the instance (one set per run, so that a
+        lease, a commit or a revocation changes keys of its run alone)."""
+        return f"{HELD_PREFIX}{tag(run_id)}:{instance_id}"
 
     @staticmethod
     def instance(instance_id: str) -> str:
         """Hash with a TTL: an instance is alive while this key exists."""
-        return f"{PREFIX}:inst:{instance_id}"
+        return f"{CONTROL}:inst:{instance_id}"
 
     @staticmethod
     def identity(instance_id: str) -> str:
         """The public nkey of the process that holds this id (TTL'd like the instance)."""
-        return f"{PREFIX}:identity:{instance_id}"
+        return f"{CONTROL}:identity:{instance_id}"
 
     @staticmethod
     def chunk_key() -> str:
         """The manager's secret for per-lease chunk MAC keys, made once (manager_svc.macs)."""
-        return f"{PREFIX}:chunk-key"
+        return f"{CONTROL}:chunk-key"
 
     @staticmethod
     def departed(instance_id: str) -> str:
         """Session of the process under this id that released and left (short TTL)."""
-        return f"{PREFIX}:departed:{instance_id}"
-
-    @staticmethod
-    def instance_held(instance_id: str) -> str:
-        """Set of request ids leased to the instance."""
-        return f"{PREFIX}:inst:{instance_id}:held"
+        return f"{CONTROL}:departed:{instance_id}"

@@ -2,21 +2,21 @@
 -- token), all in one call: thousands of responses a step cost one round trip per instance,
 -- not two per response. A response that is done or no longer pending (another pass took it)
 -- is skipped: false in its place.
--- KEYS: pending, leased, step | ARGV: instance, ttl_ms, now, held_prefix, request key prefix,
--- lease key prefix, then the request ids. Returns per id {epoch, tokens, prompt, version, max}.
+-- KEYS: pending, leased, step, the instance's held set of the run, the run's holders
+-- ARGV: instance, ttl_ms, now, then the request ids (all of the step).
+-- Returns per id {epoch, tokens, prompt, version, max}.
 -- include: common.lua
-local inst, ttl, now, held = ARGV[1], ARGV[2], ARGV[3], ARGV[4] .. ARGV[1] .. ':held'
-local req_prefix, lease_prefix = ARGV[5], ARGV[6]
+local inst, ttl, now, held = ARGV[1], ARGV[2], ARGV[3], KEYS[4]
 local out, migrations = {}, 0
-for i = 7, #ARGV do
+for i = 4, #ARGV do
   local rid = ARGV[i]
-  local req = req_prefix .. rid
+  local req = req_key(rid)
   -- One read of what the lease needs, before anything is written: seven commands a response
   -- where there were ten, and no read of its tokens while it has none (a fresh step's all).
   local st = redis.call('HMGET', req, 'done', 'n', 'last', 'tokens', 'prompt', 'version', 'max')
   if st[1] ~= '1' and redis.call('SISMEMBER', KEYS[1], rid) == 1 then
     local epoch = redis.call('HINCRBY', req, 'epoch', 1)
-    redis.call('SET', lease_prefix .. rid, inst .. ':' .. epoch, 'PX', ttl)
+    redis.call('SET', lease_key(rid), inst .. ':' .. epoch, 'PX', ttl)
     redis.call('SMOVE', KEYS[1], KEYS[2], rid)
     redis.call('SADD', held, rid)
     -- Committed tokens made by another instance: this lease moves the response.
@@ -32,4 +32,6 @@ for i = 7, #ARGV do
   end
 end
 if migrations > 0 then redis.call('HINCRBY', KEYS[3], 'migrations', migrations) end
+-- Whose held sets the run has: retiring the run expires them with its other keys.
+redis.call('SADD', KEYS[5], inst)
 return out

@@ -4,8 +4,8 @@
 -- in flight are aborted (a new epoch fences their owners' later chunks, which commit.lua then
 -- counts as discarded too) and the hold that kept the step's remaining count above zero goes,
 -- so the barrier follows. A retry after it applied changes nothing.
--- KEYS: step, pending, leased, done, dropped | ARGV: request key prefix, lease key prefix,
--- held prefix, capped (0/1), kept prompt indices (CSV), filtered prompt indices (CSV)
+-- KEYS: step, pending, leased, done, dropped | ARGV: capped (0/1), kept prompt indices (CSV),
+-- filtered prompt indices (CSV)
 -- Returns {1, tokens discarded, "owner|rid", ...} (the aborted responses that had an owner,
 -- to be told), {0}
 -- if already closed, {-1} for a step that is not dynamic, {-2, p} if kept group p is not complete.
@@ -14,15 +14,15 @@ local st = redis.call('HMGET', KEYS[1], 'created', 'dynamic', 'closed', 'prompts
 if st[1] ~= '1' or st[2] ~= '1' then return {-1} end
 if st[3] == '1' then return {0} end
 local keep, filtered, kept = {}, {}, 0
-for p in string.gmatch(ARGV[5], '%d+') do
+for p in string.gmatch(ARGV[2], '%d+') do
   if redis.call('HGET', KEYS[1], 'g:' .. p) ~= '0' then return {-2, p} end
   keep[p] = true
   kept = kept + 1
 end
-for p in string.gmatch(ARGV[6], '%d+') do filtered[p] = true end
+for p in string.gmatch(ARGV[3], '%d+') do filtered[p] = true end
 local discarded, filtered_tokens, aborted, told = 0, 0, 0, {1, 0}
 for _, rid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
-  local req = ARGV[1] .. rid
+  local req = req_key(rid)
   local f = redis.call('HMGET', req, 'p', 'n')
   if not keep[f[1]] then
     redis.call('SMOVE', KEYS[4], KEYS[5], rid)
@@ -31,12 +31,12 @@ for _, rid in ipairs(redis.call('SMEMBERS', KEYS[4])) do
   end
 end
 local function abort(rid, from)
-  local req = ARGV[1] .. rid
+  local req = req_key(rid)
   local f = redis.call('HMGET', req, 'n', 'seen', 'owner')
   discarded = discarded + tonumber(f[1]) + tonumber(f[2] or '0')
   redis.call('HINCRBY', req, 'epoch', 1)
-  redis.call('DEL', ARGV[2] .. rid)
-  release_owner(req, rid, ARGV[3])
+  redis.call('DEL', lease_key(rid))
+  release_owner(req, rid)
   redis.call('HSET', req, 'done', 'aborted', 'seen', 0)
   redis.call('SMOVE', from, KEYS[5], rid)
   aborted = aborted + 1
@@ -51,6 +51,6 @@ redis.call('HSET', KEYS[1], 'closed', 1, 'remaining', 0, 'total',
            redis.call('SCARD', KEYS[4]), 'tokens_filtered', filtered_tokens,
            'groups_kept', kept, 'groups_filtered', nfiltered,
            'groups_discarded', tonumber(st[4]) - kept - nfiltered,
-           'responses_aborted', aborted, 'dynamic_sampling_capped', ARGV[4])
+           'responses_aborted', aborted, 'dynamic_sampling_capped', ARGV[1])
 told[2] = discarded
 return told

@@ -1,12 +1,12 @@
 -- Commits token frames' entries in order, each exactly as if alone (a frame only saves messages,
 -- round trips and script calls; every entry is still checked against its own response's lease,
--- epoch and offset). ARGV: now, held_prefix, req_prefix, lease_prefix, leased/done/pending
--- suffixes of the step key, then one JSON array per frame: [instance, kind, entries], an entry
+-- epoch and offset). KEYS: the run's record key (names the run's slot; every entry is of that
+-- run). ARGV: now, leased/done/pending suffixes of the step key, then one JSON array per frame: [instance, kind, entries], an entry
 -- being [request id, epoch, version, offset, ntok, tokens csv, final, finish, step key] (see
 -- Ledger._frame_arg; one argument per frame, as packing arguments was most of the commit's
 -- CPU). Returns "status n,status n,..." per entry, in order.
 -- include: common.lua
-local now, held_prefix, req_prefix, lease_prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local now = ARGV[1]
 -- Step counters are summed here and written once per script: Redis time per chunk is the
 -- commit's ceiling, and the script is atomic, so nobody can see them half-applied.
 local counts, firsts, lasts = {}, {}, {}
@@ -16,7 +16,7 @@ local function count(step, field, by)
 end
 local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, finish, kind,
                       step)
-  local req, lease, leased = req_prefix .. rid, lease_prefix .. rid, step .. ARGV[5]
+  local req, lease, leased = req_key(rid), lease_key(rid), step .. ARGV[2]
   local st = redis.call('HMGET', req, 'done', 'epoch', 'n', 'version', 'max', 'last', 'p',
                         'tokens')
   if not st[2] then return 'unknown', 0 end  -- every request hash has an epoch
@@ -48,8 +48,8 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
     count(step, counter, 1)
     redis.call('HINCRBY', req, 'epoch', 1)
     redis.call('DEL', lease)
-    release_owner(req, rid, held_prefix)
-    redis.call('SMOVE', leased, step .. ARGV[7], rid)
+    release_owner(req, rid)
+    redis.call('SMOVE', leased, step .. ARGV[4], rid)
     count(step, 'tokens_regenerated', ntok)
     return why, n
   end
@@ -75,9 +75,9 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
   if final ~= '1' then return 'ok', n end
   redis.call('HSET', req, 'done', '1', 'finish', finish)
   redis.call('DEL', lease)
-  release_owner(req, rid, held_prefix)
+  release_owner(req, rid)
   redis.call('SREM', leased, rid)
-  redis.call('SADD', step .. ARGV[6], rid)
+  redis.call('SADD', step .. ARGV[3], rid)
   local left = redis.call('HINCRBY', step, 'g:' .. st[7], -1)
   local remaining = redis.call('HINCRBY', step, 'remaining', -1)
   if remaining == 0 then return 'step', n end
@@ -85,7 +85,7 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
   return 'final', n
 end
 local out = {}
-for i = 8, #ARGV do
+for i = 5, #ARGV do
   local f = cjson.decode(ARGV[i])
   local inst, kind = f[1], f[2]
   for _, e in ipairs(f[3]) do

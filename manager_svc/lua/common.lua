@@ -1,5 +1,6 @@
 -- Helpers shared by the ledger's scripts. Redis scripts cannot include one another: the loader
 -- (manager_svc/scripts.py) puts this text where a script says `-- include: common.lua`.
+-- include: keys.lua
 -- A response's tokens are a string key of their own, appended to (names.Keys.tokens).
 local TOKENS = '@TOKENS_SUFFIX@'
 local function take_legacy_tokens(req, legacy)
@@ -15,13 +16,14 @@ local function csv_append(key, field, value)
   if cur == '' then redis.call('HSET', key, field, value)
   else redis.call('HSET', key, field, cur .. ',' .. value) end
 end
-local function release_owner(req, rid, held_prefix)
+local function release_owner(req, rid)
   local owner = redis.call('HGET', req, 'owner')
-  if owner and owner ~= '' then redis.call('SREM', held_prefix .. owner .. ':held', rid) end
+  if owner and owner ~= '' then redis.call('SREM', held_key(run_of(rid), owner), rid) end
   redis.call('HSET', req, 'owner', '')
 end
-local function write_request(key, run, step, p, s, version, prompt, max_new)
+local function write_request(rid, run, step, p, s, version, prompt, max_new)
   -- A response as created, fresh (create_requests.lua, extend_step.lua).
+  local key = req_key(rid)
   redis.call('DEL', key, key .. TOKENS)
   redis.call('HSET', key, 'run', run, 'step', step, 'p', p, 's', s, 'version', version,
              'prompt', prompt, 'n', 0, 'epoch', 0, 'owner', '', 'done', '0',

@@ -2,21 +2,21 @@
 -- One script: the new responses, their groups' counters and the step's totals change together,
 -- so a manager killed around it leaves the step extended or not, never half; a retry with the
 -- same first index after it applied changes nothing and answers the step's prompt count.
--- KEYS: step, pending | ARGV: request key prefix, first index, samples per prompt, max prompts,
+-- KEYS: step, pending | ARGV: first index, samples per prompt, max prompts,
 -- max_new_tokens, run id, step, then (request id, prompt index, sample index, prompt tokens as CSV) per response
 -- Returns the step's prompt count, or -1 (no dynamic step), -2 (closed, or another first
 -- index than the step's count), -3 (past max prompts).
 -- include: common.lua
 local st = redis.call('HMGET', KEYS[1], 'created', 'dynamic', 'closed', 'prompts', 'version')
 if st[1] ~= '1' or st[2] ~= '1' then return -1 end
-local have, first, samples = tonumber(st[4]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local added = (#ARGV - 7) / 4 / samples
+local have, first, samples = tonumber(st[4]), tonumber(ARGV[1]), tonumber(ARGV[2])
+local added = (#ARGV - 6) / 4 / samples
 if have >= first + added then return have end
 if have ~= first or st[3] == '1' then return -2 end
-if first + added > tonumber(ARGV[4]) then return -3 end
-for i = 8, #ARGV, 4 do
-  write_request(ARGV[1] .. ARGV[i], ARGV[6], ARGV[7], ARGV[i + 1], ARGV[i + 2], st[5],
-                ARGV[i + 3], ARGV[5])
+if first + added > tonumber(ARGV[3]) then return -3 end
+for i = 7, #ARGV, 4 do
+  write_request(ARGV[i], ARGV[5], ARGV[6], ARGV[i + 1], ARGV[i + 2], st[5],
+                ARGV[i + 3], ARGV[4])
   redis.call('SADD', KEYS[2], ARGV[i])
 end
 for p = first, first + added - 1 do redis.call('HSET', KEYS[1], 'g:' .. p, samples) end

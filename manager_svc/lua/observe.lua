@@ -1,4 +1,4 @@
--- What a heartbeat shows about an instance, in a run's event stream (included by heartbeat.lua):
+-- What a heartbeat shows about an instance, in a run's event stream (included by beat_run.lua):
 -- that it joined the run (its first beat under this session while the run is active) and each
 -- weight version it loads. One script, so two beats of one instance can never both record the
 -- same change. `version` -1: it has loaded none of this run.

@@ -1,15 +1,16 @@
--- Lease renewal, shared by renew_many.lua and heartbeat.lua (included, not run alone).
+-- Lease renewal, shared by renew_many.lua and beat_run.lua (included, not run alone).
 -- For each (request id, epoch, buffered) triple of ARGV from index `first`: a request id that
 -- does not start with `only` (a response of another run) goes to `lost`; so does one whose
 -- lease is no longer the instance's; the rest are renewed. Returns `lost`.
-local function renew_leases(lease_prefix, req_prefix, instance, ttl_ms, first, only, lost)
+-- include: keys.lua
+local function renew_leases(instance, ttl_ms, first, only, lost)
   for i = first, #ARGV, 3 do
     local rid = ARGV[i]
-    local lease = lease_prefix .. rid
+    local lease = lease_key(rid)
     if string.sub(rid, 1, #only) == only and
         redis.call('GET', lease) == (instance .. ':' .. ARGV[i + 1]) then
       redis.call('PEXPIRE', lease, ttl_ms)
-      redis.call('HSET', req_prefix .. rid, 'seen', ARGV[i + 2])
+      redis.call('HSET', req_key(rid), 'seen', ARGV[i + 2])
     else
       lost[#lost + 1] = rid
     end

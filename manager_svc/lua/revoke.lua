@@ -1,5 +1,5 @@
 -- Takes a response back from its owner: a new epoch fences the old owner's later chunks.
--- KEYS: req, lease, pending, leased, step | ARGV: rid, expected_epoch ('' = any), held_prefix,
+-- KEYS: req, lease, pending, leased, step | ARGV: rid, expected_epoch ('' = any),
 -- mode ('token': the next owner resumes after the committed tokens; 'request': it starts over)
 -- include: common.lua
 local req = KEYS[1]
@@ -9,14 +9,14 @@ if ARGV[2] ~= '' and cur ~= ARGV[2] then return 0 end
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 0 then return 0 end
 redis.call('HINCRBY', req, 'epoch', 1)
 redis.call('DEL', KEYS[2])
-release_owner(req, ARGV[1], ARGV[3])
+release_owner(req, ARGV[1])
 redis.call('SMOVE', KEYS[4], KEYS[3], ARGV[1])
 -- Waste: tokens the owner last reported generated but not yet published are lost (chunks it
 -- published but that arrive after this are counted when they are rejected as stale); in
 -- request mode the committed tokens are thrown away too.
 local n = tonumber(redis.call('HGET', req, 'n'))
 local waste = tonumber(redis.call('HGET', req, 'seen') or '0')
-if ARGV[4] == 'request' and n > 0 then
+if ARGV[3] == 'request' and n > 0 then
   waste = waste + n
   redis.call('HDEL', req, 'tokens')  -- a legacy response's, if it was never moved
   redis.call('DEL', req .. TOKENS)

@@ -121,7 +121,7 @@ async def test_one_script_leases_many_and_skips_what_is_taken(ledger: Ledger) ->
     assert by[rids[0]].epoch == 1 and by[rids[0]].prompt_token_ids == [1, 2]
     assert by[rids[3]].prompt_token_ids == [3, 4] and by[rids[3]].max_new_tokens == 6
     assert all(a.temperature == 0.5 and a.seed == 9 and a.weight_version == 0 for a in got)
-    assert await ledger.r.smembers(Keys.instance_held("i2")) == set(by)
+    assert await ledger.r.smembers(Keys.held(RUN, "i2")) == set(by)
     assert await ledger.r.scard(Keys.pending(RUN, 0)) == 0
     assert await ledger.r.get(Keys.lease(rids[3])) == "i2:1"
     info = await ledger.r.hgetall(Keys.step(RUN, 0))
@@ -132,7 +132,7 @@ async def test_one_script_leases_many_and_skips_what_is_taken(ledger: Ledger) ->
     # One step per call: an id of another step would be leased against this step's sets.
     with pytest.raises(ValueError, match="one step"):
         await ledger.assign_many([rids[0], f"{RUN}:1:0:0"], "i4", 1.0, 0, 2)
-    assert await ledger.r.scard(Keys.instance_held("i4")) == 0
+    assert await ledger.r.scard(Keys.held(RUN, "i4")) == 0
 
 
 async def test_a_plan_leases_to_many_instances_in_one_round_trip(ledger: Ledger) -> None:
@@ -141,8 +141,8 @@ async def test_a_plan_leases_to_many_instances_in_one_round_trip(ledger: Ledger)
     plan = [("i1", rids[:2]), ("i2", []), ("i3", rids[2:])]
     got = await ledger.assign_plan(plan, 0.7, 5, 2)
     assert [[a.request_id for a in g] for g in got] == [rids[:2], [], [rids[2]]]
-    assert await ledger.r.smembers(Keys.instance_held("i1")) == set(rids[:2])
-    assert await ledger.r.smembers(Keys.instance_held("i3")) == {rids[2]}
+    assert await ledger.r.smembers(Keys.held(RUN, "i1")) == set(rids[:2])
+    assert await ledger.r.smembers(Keys.held(RUN, "i3")) == {rids[2]}
     assert await ledger.r.get(Keys.lease(rids[2])) == "i3:1"
     assert all(a.temperature == 0.7 and a.seed == 5 for g in got for a in g)
     assert await ledger.r.scard(Keys.pending(RUN, 0)) == 0

@@ -95,7 +95,7 @@ async def test_close_keeps_the_named_groups_and_aborts_the_rest(ledger: Ledger) 
     assert late.status == "aborted"
     assert int(await ledger.r.hget(Keys.step(RUN, 0), "tokens_discarded")) == 9
     assert await ledger.assign(f"{RUN}:0:3:1", "i1", 1.0, 0, 2) is None
-    assert not await ledger.r.smembers(Keys.instance_held("i2"))
+    assert not await ledger.r.smembers(Keys.held(RUN, "i2"))
     # A retry of the close (lost reply, restarted manager) changes nothing.
     assert await ledger.close_step(RUN, 0, keep=[0], filtered=[1], capped=False) == (0, [])
     assert await ledger.r.scard(Keys.dropped(RUN, 0)) == 6

@@ -1,0 +1,86 @@
+"""A whole run on a 3-node Redis Cluster: every script reaches one slot, nothing is lost.
+
+The services get one node's address in RLBOOST_REDIS_URL, as a deployment would give them,
+and find the cluster themselves. Two manager replicas (the dispatch lease, the run queue and
+the instance registry on the control slot) serve a run with emulated rollout instances while
+a second run waits queued and is cancelled. The run must finish with invariants 1-3 and every
+response equal to a fault-free instance's (invariant 5), each script execution on every node
+must have reached exactly one slot (tests.support.redis_cluster.SlotAudit: the servers would
+not say so themselves), and the run's keys must all sit on the node serving its tag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.names import Keys, tag
+from shared.stack import Stack
+from tests.support.cluster import start_cluster, wait_run
+from tests.support.invariants import check_run
+from tests.support.redis_cluster import RedisClusterNodes, SlotAudit
+from tests.system.test_faults import REWARD, oracle
+
+pytestmark = pytest.mark.slow
+
+SPEC: dict[str, Any] = {"model": "emu", "steps": 3, "prompts_per_step": 8, "samples_per_prompt": 4,
+                        "max_new_tokens": 64, "seed": 31}
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    nodes = RedisClusterNodes(tmp_path / "redis-cluster")
+    try:
+        nodes.start()
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+def test_a_run_on_a_redis_cluster(brokers: Stack, redis_cluster: RedisClusterNodes,
+                                  tmp_path: Path) -> None:
+    audit = SlotAudit(redis_cluster.ports)
+    audit.start()
+    cluster = start_cluster(tmp_path, brokers, env={"RLBOOST_REDIS_URL": redis_cluster.url},
+                            spot=2, reserved=1, engine="emu", managers=2)
+    try:
+        with httpx.Client(base_url=cluster.manager_urls[1], timeout=10) as client:
+            run_id = client.post("/v1/runs", json=SPEC).json()["id"]
+            waiting = client.post("/v1/runs", json=SPEC).json()["id"]
+            assert client.get(f"/v1/runs/{waiting}").json()["state"] == "queued"
+            cancelled = client.post(f"/v1/runs/{waiting}/cancel").json()
+            assert cancelled["state"] == "cancelled", cancelled
+            final = wait_run(client, run_id, timeout_s=300, cluster=cluster)
+            assert final["state"] == "succeeded", final
+            by_step = check_run(client, run_id, SPEC, REWARD)
+            # The cancelled run never ran: the queue moved past it.
+            assert client.get(f"/v1/runs/{waiting}").json()["state"] == "cancelled"
+        for step, samples in by_step.items():
+            for sample in samples:
+                assert sample["response_token_ids"] == oracle(SPEC, sample, step), sample
+        managers = [c for c in cluster.children if c.name.startswith("manager")]
+        assert all("is a cluster of 3 nodes" in c.tail(2000) for c in managers), \
+            managers[0].tail(40)
+    finally:
+        cluster.stop()
+        audit.stop()
+
+    scripts, commands, bad = audit.violations()
+    # Enough to mean something: every commit, lease, heartbeat and step change is a script.
+    assert scripts > 200 and commands > 2000, (scripts, commands)
+    assert not bad, [(port, slots, [b" ".join(c[:2]) for c in run[:6]])
+                     for port, slots, run in bad[:5]]
+    # Every key of the run is on the node serving its tag, and on no other.
+    home = redis_cluster.node_of(Keys.run(run_id))
+    for port in redis_cluster.ports:
+        found = list(redis_cluster.client(port).scan_iter(match=f"*{tag(run_id)}*", count=1000))
+        if port == home:
+            # At least the last step's responses (the run keeps it and the one before)
+            last_step = SPEC["prompts_per_step"] * SPEC["samples_per_prompt"]
+            assert Keys.run(run_id) in found and len(found) > last_step, len(found)
+        else:
+            assert found == [], (port, found[:5])
