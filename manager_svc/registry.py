@@ -2,12 +2,13 @@
 
 Contract: an instance is a Redis hash that each heartbeat refreshes (``lua/beat.lua``, then
 ``lua/beat_run.lua`` in the run it serves) and that expires ``instance_ttl_s`` after the last
-one; the set of the responses it holds in the active run is Redis data too. A heartbeat renews the leases the instance reports, takes back what it should hold
-but never confirmed, and is answered with the run and weight version to serve. An instance
-leaves in one of two ways: a release (it hands its work back after its last chunks are
-committed, and its session is barred, so a late beat cannot bring it back), or silence (its hash
-expires and :meth:`Registry.reap_dead` takes its work back). Either way its responses go back
-to the pending set through the ledger's revoke, and continue elsewhere from the last committed
+one; the set of the responses it holds in the active run is Redis data too. A heartbeat renews
+the leases the instance reports, takes back what it should hold but never confirmed, and is
+answered with the run and weight version to serve. An instance leaves in one of two ways: a
+release (it hands its work back after its last chunks are committed, and its session is
+barred, so a late beat cannot bring it back), or silence (its hash expires and
+:meth:`Registry.reap_dead` takes its work back). Either way its responses go back to the
+pending set through the ledger's revoke, and continue elsewhere from the last committed
 token.
 """
 

@@ -32,7 +32,7 @@ from rlboost.launcher import Cluster
 from shared import names
 from shared.bus import split_credentials
 from shared.identity import new_user_seed
-from shared.names import Keys
+from shared.names import LEASE_PREFIX, Keys
 from shared.protocol import FrameEntry, RunFailed, TokenFrame, encode, entry_mac
 from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
@@ -140,7 +140,8 @@ def live_lease(store: redis.Redis, run_id: str) -> tuple[str, str, int, int, int
     while time.monotonic() < end:
         for key in store.scan_iter(match=Keys.lease(f"{run_id}:*"), count=1000):
             owner = store.get(key)
-            rid = str(key).removeprefix(Keys.lease(""))
+            # rlb:lease:{<run>}:<step>:<prompt>:<sample> -> <run>:<step>:<prompt>:<sample>
+            rid = str(key).removeprefix(LEASE_PREFIX).replace("{", "", 1).replace("}", "", 1)
             info = store.hmget(Keys.request(rid), ["version", "n", "done"])
             if owner and info[2] == "0":
                 holder, epoch = str(owner).rsplit(":", 1)
