@@ -41,18 +41,24 @@ class InstanceEvents:
         self.redis = redis
         self.archive = archive  # an ended run's events, once its stream expired
 
-    async def left(self, run_id: str, instance_id: str, kind: str | None, reason: str) -> None:
+    async def left(self, run_id: str, instance_id: str, kind: str | None, reason: str,
+                   session: str = "") -> None:
+        """The process ``session`` released its work and left: a beat of it that arrives
+        after this is no join (lua/observe.lua), a later process under the id is one."""
         await self._add(run_id, {"type": "leave", "instance": instance_id, "kind": kind or "",
-                                 "reason": reason})
+                                 "reason": reason}, f"{session}|left" if session else None)
 
     async def died(self, run_id: str, instance_id: str) -> None:
         await self._add(run_id, {"type": "death", "instance": instance_id, "reason": "silent"})
 
-    async def _add(self, run_id: str, fields: dict[str, str]) -> None:
+    async def _add(self, run_id: str, fields: dict[str, str], mark: str | None = None) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(Keys.events(run_id), fields, maxlen=MAX_EVENTS, approximate=True)
-        # A process that rejoins under the same id after leaving is a new join.
-        pipe.hdel(Keys.run_instances(run_id), fields["instance"])
+        # A process that rejoins under the same id after leaving or dying is a new join.
+        if mark:
+            pipe.hset(Keys.run_instances(run_id), fields["instance"], mark)
+        else:
+            pipe.hdel(Keys.run_instances(run_id), fields["instance"])
         await pipe.execute()
 
     async def read(self, run_id: str, after: str | None = None,

@@ -27,7 +27,7 @@ from manager_svc.crash import HANDOFF_REVOKE, CrashPoints
 from manager_svc.events import MAX_EVENTS, InstanceEvents
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
-from manager_svc.scripts import register
+from manager_svc.scripts import Call, register, run_batch
 from manager_svc.soft_state import SoftState
 from shared.config import ManagerConfig
 from shared.names import Keys
@@ -65,23 +65,27 @@ class Registry:
             "pid": hb.pid, "metrics_port": hb.metrics_port, "last_seen": time.time(),
             "session": hb.session,
         }
-        # Two scripts, one per slot (the control keys', then the run's): a Redis Cluster
-        # keeps them apart, and the second must not run for a process that left.
-        run_id = await self._beat(
-            keys=[Keys.instance(hb.instance_id), Keys.instances, Keys.departed(hb.instance_id),
-                  Keys.identity(hb.instance_id), Keys.active],
-            args=[json.dumps([str(x) for kv in fields.items() for x in kv]),
-                  int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
-                  fields["last_seen"]])
+        # Two scripts, one per slot (the control keys', then the run's), as a Redis Cluster
+        # keeps them apart; in one round trip when the run the instance names is the active
+        # one, as it is but around a run's start. The run's part is harmless for a process
+        # that has left: its leases were revoked, and its run records no join for it.
+        beat = Call(self._beat, [Keys.instance(hb.instance_id), Keys.instances,
+                                 Keys.departed(hb.instance_id), Keys.identity(hb.instance_id),
+                                 Keys.active],
+                    [json.dumps([str(x) for kv in fields.items() for x in kv]),
+                     int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
+                     fields["last_seen"]])
+        guess = [self._run_part(hb, hb.run_id, version)] if hb.run_id else []
+        replies = await run_batch(self.redis, [beat, *guess])
+        run_id = replies[0]
         if run_id is None or run_id == "":  # it already released and left, or no run is on
             return HeartbeatReply(target=None, revoke=[h.request_id for h in hb.held])
         run_id = str(run_id)
-        held_rows, step, dropped = await self._beat_run(
-            keys=[Keys.run(run_id), Keys.held(run_id, hb.instance_id),
-                  Keys.run_instances(run_id), Keys.events(run_id)],
-            args=[run_id, hb.instance_id, hb.session, hb.run_id or "", version, hb.kind,
-                  MAX_EVENTS, self.ledger.lease_ttl_ms,
-                  *[x for h in hb.held for x in (h.request_id, h.epoch, h.buffered)]])
+        if run_id == hb.run_id:
+            held_rows, step, dropped = replies[1]
+        else:
+            [(held_rows, step, dropped)] = await run_batch(
+                self.redis, [self._run_part(hb, run_id, version)])
         target = (run_id, int(step)) if step is not None else None
         server_held = set(held_rows)
         reported = {held.request_id for held in hb.held}
@@ -98,6 +102,14 @@ class Registry:
             revoke=revoke,
         )
 
+    def _run_part(self, hb: Heartbeat, run_id: str, version: int) -> Call:
+        """The beat's part in ``run_id``: lua/beat_run.lua."""
+        return Call(self._beat_run, [Keys.run(run_id), Keys.held(run_id, hb.instance_id),
+                                     Keys.run_instances(run_id), Keys.events(run_id)],
+                    [run_id, hb.instance_id, hb.session, hb.run_id or "", version, hb.kind,
+                     MAX_EVENTS, self.ledger.lease_ttl_ms,
+                     *[x for h in hb.held for x in (h.request_id, h.epoch, h.buffered)]])
+
     async def on_release(self, rel: Release) -> Ack:
         await self._await_commits(rel)
         revoked = 0
@@ -113,7 +125,8 @@ class Registry:
             run_id = await self.runs.active()
             if run_id:
                 kind = await self.redis.hget(Keys.instance(rel.instance_id), "kind")
-                await self.events.left(run_id, rel.instance_id, kind, rel.reason)
+                await self.events.left(run_id, rel.instance_id, kind, rel.reason,
+                                       rel.session)
             if rel.session:
                 await self.redis.set(Keys.departed(rel.instance_id), rel.session,
                                      px=DEPARTED_TTL_MS)

@@ -4,6 +4,9 @@
 -- same change. `version` -1: it has loaded none of this run.
 local function observe(instances_key, stream, instance, session, kind, version, cap)
   local seen = redis.call('HGET', instances_key, instance)
+  -- This process released its work and left (InstanceEvents.left): a beat of it that was
+  -- still in flight shows nothing new.
+  if seen == session .. '|left' then return end
   local was_session, was_version = '', '-1'
   if seen then
     was_session, was_version = string.match(seen, '^(.*)|(-?%d+)$')

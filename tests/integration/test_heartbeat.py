@@ -103,3 +103,16 @@ async def test_without_a_running_run_or_after_leaving_everything_is_dropped(
     reply = await registry.on_heartbeat(beat(held, run_id=run_id))
     assert (reply.target, reply.revoke) == (None, [rid])
     assert await registry.on_heartbeat(beat([], session="s2")) is not None  # a restart may
+
+
+async def test_a_beat_in_flight_after_leaving_records_no_join(
+        parts: tuple[Registry, str]) -> None:
+    registry, run_id = parts
+    await registry.on_heartbeat(beat([], run_id=run_id))
+    await registry.events.left(run_id, "i1", "spot", "preempt", "s1")
+    # Sent before the release, answered after it: the run part runs with the beat (one
+    # round trip), and must not take the leaver for a new process.
+    await registry.on_heartbeat(beat([], run_id=run_id))
+    await registry.on_heartbeat(beat([], run_id=run_id, session="s2"))  # a new process joins
+    events = [(e["type"], e["instance"]) for e in await registry.events.read(run_id)]
+    assert events == [("join", "i1"), ("leave", "i1"), ("join", "i1")]
