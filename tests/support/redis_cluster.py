@@ -61,8 +61,12 @@ def cluster_port() -> int:
 
 @dataclass
 class RedisClusterNodes:
+    """``size`` primaries sharing the slots, each with ``replicas`` replicas (``ports``: the
+    primaries' first, then each primary's replicas in order)."""
+
     root: Path
     size: int = 3
+    replicas: int = 0
     ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -75,7 +79,7 @@ class RedisClusterNodes:
         return redis.Redis(host="127.0.0.1", port=port, decode_responses=True)
 
     def start(self, timeout_s: float = 30.0) -> None:
-        self.ports = [cluster_port() for _ in range(self.size)]
+        self.ports = [cluster_port() for _ in range(self.size * (1 + self.replicas))]
         for port in self.ports:
             data = self.root / f"redis-{port}"
             data.mkdir(parents=True, exist_ok=True)
@@ -83,14 +87,15 @@ class RedisClusterNodes:
             self.procs.append(subprocess.Popen(
                 [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
                  "--dir", str(data), "--cluster-enabled", "yes",
-                 "--cluster-config-file", "nodes.conf", "--appendonly", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                 "--cluster-replica-validity-factor", "0", "--appendonly", "yes",
                  "--appendfsync", "always", "--save", "", "--protected-mode", "no"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
         for port in self.ports:
             wait_port(port)
         share = SLOTS // self.size
-        for i, port in enumerate(self.ports):
+        for i, port in enumerate(self.ports[:self.size]):
             node = self.client(port)
             last = SLOTS - 1 if i == self.size - 1 else (i + 1) * share - 1
             node.execute_command("CLUSTER ADDSLOTS", *range(i * share, last + 1))
@@ -98,19 +103,57 @@ class RedisClusterNodes:
         for port in self.ports[1:]:
             self.client(port).execute_command("CLUSTER MEET", "127.0.0.1", self.ports[0])
         end = time.monotonic() + timeout_s
+        replicating = False
         while time.monotonic() < end:
             states = [self.client(p).cluster("INFO") for p in self.ports]
-            if all(s["cluster_state"] == "ok" and int(s["cluster_known_nodes"]) == self.size
+            if all(s["cluster_state"] == "ok" and int(s["cluster_known_nodes"]) == len(self.ports)
                    for s in states):
-                return
+                if replicating or not self.replicas:
+                    if self._replicas_synced():
+                        return
+                else:
+                    self._replicate()
+                    replicating = True
             time.sleep(0.2)
         raise TimeoutError(f"the Redis cluster did not form in {timeout_s}s: {states}")
+
+    def _replicate(self) -> None:
+        for i in range(self.size):
+            primary = self.client(self.ports[i]).execute_command("CLUSTER MYID")
+            for r in range(self.replicas):
+                port = self.ports[self.size + i * self.replicas + r]
+                self.client(port).execute_command("CLUSTER REPLICATE", primary)
+
+    def _replicas_synced(self) -> bool:
+        return all(self.client(p).info("replication").get("master_link_status") == "up"
+                   for p in self.ports[self.size:])
+
+    def primary_of(self, key: str) -> int:
+        """The port of the node serving ``key``'s slot now (after any failover)."""
+        slot = key_slot(key.encode())
+        for port in self.ports:
+            with contextlib.suppress(redis.RedisError):
+                for lo, hi, primary, *_ in self.client(port).execute_command("CLUSTER SLOTS"):
+                    if lo <= slot <= hi:
+                        return int(primary[1])
+        raise LookupError(f"no live node knows slot {slot}")
 
     def node_of(self, key: str) -> int:
         """The port of the node serving ``key``'s slot."""
         slot = key_slot(key.encode())
         share = SLOTS // self.size
         return self.ports[min(slot // share, self.size - 1)]
+
+    def __enter__(self) -> RedisClusterNodes:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         for proc in self.procs:

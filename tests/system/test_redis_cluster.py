@@ -6,7 +6,9 @@ the instance registry on the control slot) serve a run with emulated rollout ins
 a second run waits queued and is cancelled. The run must finish with invariants 1-3 and every
 response equal to a fault-free instance's (invariant 5), each script execution on every node
 must have reached exactly one slot (tests.support.redis_cluster.SlotAudit: the servers would
-not say so themselves), and the run's keys must all sit on the node serving its tag.
+not say so themselves), and the run's keys must all sit on the node serving its tag. Then,
+with a replica for each primary, the primary serving a run's slot is SIGKILLed mid-step: its
+replica takes over and the run finishes with the same invariants.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
 from tests.support.redis_cluster import RedisClusterNodes, SlotAudit
 from tests.system.test_faults import REWARD, oracle
+from tests.system.test_manager_replicas import wait_mid_step
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +36,8 @@ SPEC: dict[str, Any] = {"model": "emu", "steps": 3, "prompts_per_step": 8, "samp
 
 @pytest.fixture
 def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
-    nodes = RedisClusterNodes(tmp_path / "redis-cluster")
-    try:
-        nodes.start()
+    with RedisClusterNodes(tmp_path / "redis-cluster") as nodes:
         yield nodes
-    finally:
-        nodes.stop()
 
 
 def test_a_run_on_a_redis_cluster(brokers: Stack, redis_cluster: RedisClusterNodes,
@@ -84,3 +83,35 @@ def test_a_run_on_a_redis_cluster(brokers: Stack, redis_cluster: RedisClusterNod
             assert Keys.run(run_id) in found and len(found) > last_step, len(found)
         else:
             assert found == [], (port, found[:5])
+
+
+@pytest.fixture
+def replicated(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    with RedisClusterNodes(tmp_path / "redis-replicated", replicas=1) as nodes:
+        yield nodes
+
+
+def test_a_run_survives_its_primary_failing_over(brokers: Stack, replicated: RedisClusterNodes,
+                                                 tmp_path: Path) -> None:
+    spec = {**SPEC, "steps": 5, "max_new_tokens": 96}
+    cluster = start_cluster(tmp_path, brokers, env={"RLBOOST_REDIS_URL": replicated.url},
+                            spot=2, reserved=1, engine="emu")
+    try:
+        with httpx.Client(base_url=cluster.manager_urls[0], timeout=10) as client:
+            run_id = client.post("/v1/runs", json=spec).json()["id"]
+            wait_mid_step(client, run_id, 1)
+            home = replicated.primary_of(Keys.run(run_id))
+            victim = replicated.procs[replicated.ports.index(home)]
+            assert victim.poll() is None, "the primary is not alive: the kill would hit nothing"
+            victim.kill()
+            victim.wait(timeout=10)
+            final = wait_run(client, run_id, timeout_s=300, cluster=cluster)
+            assert final["state"] == "succeeded", final
+            by_step = check_run(client, run_id, spec, REWARD)
+        # Its replica serves the run's slot now.
+        assert replicated.primary_of(Keys.run(run_id)) != home
+        for step, samples in by_step.items():
+            for sample in samples:
+                assert sample["response_token_ids"] == oracle(spec, sample, step), sample
+    finally:
+        cluster.stop()
