@@ -94,8 +94,10 @@ class Ledger:
 
     def __init__(self, redis: aioredis.Redis, lease_ttl_s: float, migration: str = "token",
                  lease_key: Callable[[str, int], str] = lambda rid, epoch: "",
-                 crash: CrashPoints | None = None) -> None:
+                 crash: CrashPoints | None = None, replica_acks: int = 0) -> None:
         self.r = redis
+        # Replicas a commit must reach before its frames are acked (RLBOOST_REDIS_REPLICA_ACKS).
+        self.replica_acks = replica_acks
         self.crash = crash or CrashPoints("", Path("."))
         self.lease_key = lease_key  # the MAC key of a lease, sent in its Assignment
         self.migration = migration  # "token" (resume) or "request" (restart: the ablation)
@@ -274,7 +276,7 @@ class Ledger:
     async def run_commits(self, calls: list[Call]) -> list[CommitResult]:
         """Run packed commit calls in one round trip (the benchmark's Redis-only bound runs
         exactly this, with no NATS and no manager in front of it)."""
-        replies = await run_batch(self.r, calls)
+        replies = await run_batch(self.r, calls, self.replica_acks)
         return [CommitResult(status, int(n)) for reply in replies
                 for status, n in (item.split(" ") for item in str(reply).split(","))]
 

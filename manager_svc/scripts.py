@@ -19,6 +19,8 @@ round trip (per node) on a plain client and on a cluster client alike.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -26,11 +28,14 @@ from importlib.resources import files
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from shared.names import HELD_PREFIX, LEASE_PREFIX, REQUEST_PREFIX, RUN_PREFIX, TOKENS_SUFFIX
 
+log = logging.getLogger("manager")
+WAIT_MS = 1000  # one WAIT for replicas; a shortfall is waited for again, never skipped
 _INCLUDE = re.compile(r"^-- include: (\S+\.lua)$", re.MULTILINE)
 _CONSTANT = re.compile(r"@([A-Z_]+)@")
 CONSTANTS = {"TOKENS_SUFFIX": TOKENS_SUFFIX, "REQUEST_PREFIX": REQUEST_PREFIX,
@@ -67,31 +72,91 @@ class Call:
     args: list[Any]
 
 
-async def run_batch(redis: aioredis.Redis, calls: list[Call]) -> list[Any]:
-    """Run ``calls`` pipelined, in order, and return their replies in order.
+async def run_batch(redis: aioredis.Redis, calls: list[Call], replicas: int = 0) -> list[Any]:
+    """Run ``calls`` pipelined, in order, and return their replies in order; with
+    ``replicas``, only once that many replicas of each node they ran on hold their writes.
 
     Sent as raw EVALSHA commands: a cluster client refuses a script's own pipelined call, and
     a plain pipeline of scripts asks SCRIPT EXISTS first, a round trip every batch. A node
     that lost its script cache (restarted) answers NOSCRIPT to each call of a script: those
-    calls are sent again, in order, once it is loaded. Any other error is raised."""
+    calls are sent again, in order, once it is loaded. Any other error is raised.
+
+    Redis replicates asynchronously: a write a primary has answered can still be lost when a
+    replica takes its place. So the batch ends, on each node's connection, with WAIT (which
+    counts the replicas holding every write that connection sent); a node short of
+    ``replicas`` gets a write of its own on that slot and WAIT again, until enough replicas
+    hold it (replication is one ordered stream, so they then hold the batch too). The
+    replies are kept meanwhile: nothing is sent twice."""
     if not calls:
         return []
-    replies = await _send(redis, calls)
+    replies, short = await _send(redis, calls, replicas)
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if missing:
         for script in {id(calls[i].script): calls[i].script for i in missing}.values():
             await redis.script_load(script.script)
-        again = await _send(redis, [calls[i] for i in missing])
+        again, short_again = await _send(redis, [calls[i] for i in missing], replicas)
         for i, reply in zip(missing, again, strict=True):
             replies[i] = reply
+        short += short_again
     for reply in replies:
         if isinstance(reply, ResponseError):
             raise reply
+    for key in short:
+        await _replicated(redis, key, replicas)
     return replies
 
 
-async def _send(redis: aioredis.Redis, calls: list[Call]) -> list[Any]:
+def _node_keys(redis: aioredis.Redis, calls: list[Call]) -> list[tuple[str, Any]]:
+    """(a key, the node to WAIT on: None on a plain client) per node ``calls`` reach."""
+    if not isinstance(redis, RedisCluster):
+        return [(calls[-1].keys[0], None)]
+    nodes: dict[str, tuple[str, Any]] = {}
+    for call in calls:
+        node = redis.get_node_from_key(call.keys[0])
+        nodes.setdefault(node.name, (call.keys[0], node))
+    return list(nodes.values())
+
+
+async def _send(redis: aioredis.Redis, calls: list[Call], replicas: int
+                ) -> tuple[list[Any], list[str]]:
+    """The calls' replies, and a key of each node whose replicas fell short."""
     pipe = redis.pipeline(transaction=False)
     for call in calls:
         pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-    return list(await pipe.execute(raise_on_error=False))
+    waits = _node_keys(redis, calls) if replicas else []
+    for _, node in waits:
+        pipe.execute_command("WAIT", replicas, WAIT_MS,
+                             **({"target_nodes": node} if node is not None else {}))
+    got = list(await pipe.execute(raise_on_error=False))
+    acked = got[len(calls):]
+    return got[:len(calls)], [key for (key, _), n in zip(waits, acked, strict=True)
+                              if isinstance(n, Exception) or int(n) < replicas]
+
+
+def wait_key(key: str) -> str:
+    """A key of ``key``'s slot to write when waiting for replicas (its hash tag's)."""
+    start = key.find("{")
+    end = key.find("}", start + 1)
+    tag = key[start:end + 1] if start >= 0 and end > start + 1 else "{" + key + "}"
+    return f"rlb:replicated:{tag}"
+
+
+async def _replicated(redis: aioredis.Redis, key: str, replicas: int) -> None:
+    """Wait until ``replicas`` replicas of ``key``'s node hold every write it has had."""
+    delay = 0.05
+    while True:
+        pipe = redis.pipeline(transaction=False)
+        pipe.set(wait_key(key), "1", px=60_000)
+        node = redis.get_node_from_key(key) if isinstance(redis, RedisCluster) else None
+        pipe.execute_command("WAIT", replicas, WAIT_MS,
+                             **({"target_nodes": node} if node is not None else {}))
+        try:
+            acked = (await pipe.execute(raise_on_error=False))[-1]
+        except RedisError as exc:  # the node is gone: its successor is asked next time
+            acked = exc
+        if not isinstance(acked, Exception) and int(acked) >= replicas:
+            return
+        log.warning("commits wait for %d Redis replica(s) of the node of %s: %s", replicas,
+                    key, acked)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)

@@ -134,7 +134,8 @@ class ManagerService:
         self.runs = RunStore(redis, archive, cfg.retention_s, cfg.max_queued_runs)
         self.events = InstanceEvents(redis, archive)
         crash = CrashPoints(cfg.crash_points, cfg.common.data_dir)
-        self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key, crash)
+        self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key, crash,
+                             cfg.redis_replica_acks)
         self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft, self.events,
                                  crash)
         self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth,

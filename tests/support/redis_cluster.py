@@ -70,6 +70,29 @@ class RedisClusterNodes:
     ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
+    def argv(self, port: int) -> list[str]:
+        return [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                "--dir", str(self.root / f"redis-{port}"), "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                "--cluster-replica-validity-factor", "0", "--appendonly", "yes",
+                "--appendfsync", "always", "--save", "", "--protected-mode", "no"]
+
+    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
+        (self.root / f"redis-{port}").mkdir(parents=True, exist_ok=True)
+        with (self.root / f"redis-{port}.log").open("ab") as log:
+            return subprocess.Popen(self.argv(port), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def restart(self, port: int) -> None:
+        """Start the node of ``port`` again, dead or not: it rejoins from its nodes.conf
+        (a primary that was failed over comes back as its successor's replica)."""
+        i = self.ports.index(port)
+        with contextlib.suppress(Exception):
+            self.procs[i].kill()
+            self.procs[i].wait(timeout=10)
+        self.procs[i] = self._spawn(port)
+        wait_port(port)
+
     @property
     def url(self) -> str:
         """Any one node: clients find the others (RLBOOST_REDIS_URL names just this one)."""
@@ -80,18 +103,7 @@ class RedisClusterNodes:
 
     def start(self, timeout_s: float = 30.0) -> None:
         self.ports = [cluster_port() for _ in range(self.size * (1 + self.replicas))]
-        for port in self.ports:
-            data = self.root / f"redis-{port}"
-            data.mkdir(parents=True, exist_ok=True)
-            log = (self.root / f"redis-{port}.log").open("ab")
-            self.procs.append(subprocess.Popen(
-                [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-                 "--dir", str(data), "--cluster-enabled", "yes",
-                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
-                 "--cluster-replica-validity-factor", "0", "--appendonly", "yes",
-                 "--appendfsync", "always", "--save", "", "--protected-mode", "no"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
+        self.procs = [self._spawn(port) for port in self.ports]
         for port in self.ports:
             wait_port(port)
         share = SLOTS // self.size

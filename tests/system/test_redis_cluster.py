@@ -13,6 +13,7 @@ replica takes over and the run finishes with the same invariants.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,9 @@ def replicated(tmp_path: Path) -> Iterator[RedisClusterNodes]:
 def test_a_run_survives_its_primary_failing_over(brokers: Stack, replicated: RedisClusterNodes,
                                                  tmp_path: Path) -> None:
     spec = {**SPEC, "steps": 5, "max_new_tokens": 96}
-    cluster = start_cluster(tmp_path, brokers, env={"RLBOOST_REDIS_URL": replicated.url},
+    # Commits acked once the replica holds them: the one that takes over has every one.
+    cluster = start_cluster(tmp_path, brokers, env={"RLBOOST_REDIS_URL": replicated.url,
+                                                    "RLBOOST_REDIS_REPLICA_ACKS": "1"},
                             spot=2, reserved=1, engine="emu")
     try:
         with httpx.Client(base_url=cluster.manager_urls[0], timeout=10) as client:
@@ -105,11 +108,19 @@ def test_a_run_survives_its_primary_failing_over(brokers: Stack, replicated: Red
             assert victim.poll() is None, "the primary is not alive: the kill would hit nothing"
             victim.kill()
             victim.wait(timeout=10)
+            # Its replica takes over; with no replica of its own it holds commits back
+            # (RLBOOST_REDIS_REPLICA_ACKS) until the dead node is back, as its replica.
+            end = time.monotonic() + 30
+            while replicated.primary_of(Keys.run(run_id)) == home:
+                assert time.monotonic() < end, "no replica took the slot over"
+                time.sleep(0.2)
+            replicated.restart(home)
             final = wait_run(client, run_id, timeout_s=300, cluster=cluster)
             assert final["state"] == "succeeded", final
             by_step = check_run(client, run_id, spec, REWARD)
-        # Its replica serves the run's slot now.
+        # The replica serves the run's slot still, the old primary replicating it.
         assert replicated.primary_of(Keys.run(run_id)) != home
+        assert replicated.client(home).info("replication")["role"] == "slave"
         for step, samples in by_step.items():
             for sample in samples:
                 assert sample["response_token_ids"] == oracle(spec, sample, step), sample

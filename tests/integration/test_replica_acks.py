@@ -1,0 +1,90 @@
+"""Commits acked only once a replica holds them (RLBOOST_REDIS_REPLICA_ACKS), on real servers.
+
+A primary answers a write before its replicas have it, and a replica that takes over loses
+what it had not received: frames acked after such a commit would be gone for good. With
+``replica_acks`` the ledger's commit returns only once that many replicas of the node hold
+it. Each case stops the replica (SIGSTOP: alive, connected, not replicating), shows that a
+commit does not return meanwhile, lets it go on, and checks that the commit then returns
+its own statuses (nothing was sent twice) and that the replica holds the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+from pathlib import Path
+
+import redis
+
+from manager_svc.accounting import Ledger
+from shared.bus import connect_redis
+from shared.names import Keys
+from shared.protocol import FrameEntry, TokenFrame
+from shared.stack import Server, free_port
+from tests.support.redis_cluster import RedisClusterNodes
+
+RUN = "run-acks"
+STALL_S = 1.5  # longer than a WAIT (scripts.WAIT_MS): a commit still waiting is held back
+
+
+def frame(rid: str, epoch: int, offset: int, tokens: list[int]) -> TokenFrame:
+    return TokenFrame(instance_id="i1", entries=[FrameEntry(
+        request_id=rid, epoch=epoch, weight_version=0, offset=offset, token_ids=tokens)])
+
+
+async def held_back_until_replicated(url: str, replica: subprocess.Popen[bytes],
+                                     replica_port: int) -> None:
+    ledger = Ledger(await connect_redis(url), lease_ttl_s=60, replica_acks=1)
+    await ledger.create_step(RUN, 0, 0, [[1, 2]], samples=1, max_new_tokens=8)
+    rid = f"{RUN}:0:0:0"
+    lease = await ledger.assign(rid, "i1", 1.0, 0, 2)
+    assert lease is not None
+    [first] = await ledger.commit(frame(rid, lease.epoch, 0, [5, 6]))
+    assert first.status == "ok"
+    copy = redis.Redis(host="127.0.0.1", port=replica_port, decode_responses=True)
+    with contextlib.suppress(redis.ResponseError):  # a cluster replica serves reads so
+        copy.execute_command("READONLY")
+    # Answered only once the replica held it: read there at once, it is there.
+    assert copy.get(Keys.tokens(rid)) == "5,6"
+    replica.send_signal(signal.SIGSTOP)
+    try:
+        pending = asyncio.ensure_future(ledger.run_calls(
+            ledger.pack([frame(rid, lease.epoch, 2, [7])]), wait_for_redis=True))
+        done, _ = await asyncio.wait([pending], timeout=STALL_S)
+        assert not done, "the commit returned while no replica could hold it"
+    finally:
+        replica.send_signal(signal.SIGCONT)
+    [second] = await asyncio.wait_for(pending, timeout=30)
+    assert second.status == "ok"  # its own reply, not a duplicate of a second send
+    assert copy.get(Keys.tokens(rid)) == "5,6,7"
+    copy.close()
+    await ledger.r.aclose()
+
+
+async def test_a_commit_waits_for_the_replica_of_a_primary(tmp_path: Path) -> None:
+    servers = [Server("redis", free_port(), tmp_path / name, tmp_path / f"{name}.log")
+               for name in ("primary", "replica")]
+    primary, replica = servers
+    try:
+        for server in servers:
+            server.start()
+        follower = redis.Redis(host="127.0.0.1", port=replica.port)
+        follower.replicaof("127.0.0.1", primary.port)
+        while follower.info("replication").get("master_link_status") != "up":
+            await asyncio.sleep(0.05)
+        follower.close()
+        assert replica.proc is not None
+        await held_back_until_replicated(primary.url, replica.proc, replica.port)
+    finally:
+        for server in servers:
+            server.kill()
+
+
+async def test_a_commit_waits_for_the_replica_of_its_cluster_node(tmp_path: Path) -> None:
+    # The run's node, not any other: the WAIT goes on the connection that sent the commit.
+    with RedisClusterNodes(tmp_path / "cluster", replicas=1) as nodes:
+        home = nodes.ports.index(nodes.node_of(Keys.run(RUN)))
+        replica = nodes.size + home  # one replica each, in the primaries' order
+        await held_back_until_replicated(nodes.url, nodes.procs[replica], nodes.ports[replica])
