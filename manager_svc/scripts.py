@@ -83,10 +83,13 @@ async def run_batch(redis: aioredis.Redis, calls: list[Call], replicas: int = 0)
 
     Redis replicates asynchronously: a write a primary has answered can still be lost when a
     replica takes its place. So the batch ends, on each node's connection, with WAIT (which
-    counts the replicas holding every write that connection sent); a node short of
-    ``replicas`` gets a write of its own on that slot and WAIT again, until enough replicas
-    hold it (replication is one ordered stream, so they then hold the batch too). The
-    replies are kept meanwhile: nothing is sent twice."""
+    counts the replicas holding every write that connection sent). A node that answers with
+    too few gets a write of its own on that slot and WAIT again, until enough replicas hold
+    it (replication is one ordered stream, so they then hold the batch too); the replies are
+    kept meanwhile, nothing is sent twice. A node that stops answering, or no longer serves
+    the slot (failed over), may have lost the batch: :class:`ReplicationUnknown` (a
+    RedisError) is raised, and the caller sends the batch again, whose part that survived
+    reads as duplicates."""
     if not calls:
         return []
     replies, short = await _send(redis, calls, replicas)
@@ -101,36 +104,51 @@ async def run_batch(redis: aioredis.Redis, calls: list[Call], replicas: int = 0)
     for reply in replies:
         if isinstance(reply, ResponseError):
             raise reply
-    for key in short:
-        await _replicated(redis, key, replicas)
+    for key, node in short:
+        await _replicated(redis, key, node, replicas)
     return replies
+
+
+class ReplicationUnknown(RedisError):  # type: ignore[misc]  # redis-py is Any to mypy here
+    """Whether a batch's writes outlived their node is unknown: send it again."""
+
+
+def _node_of(redis: aioredis.Redis, key: str) -> Any:
+    """The cluster node serving ``key`` now; None on a plain client."""
+    return redis.get_node_from_key(key) if isinstance(redis, RedisCluster) else None
 
 
 def _node_keys(redis: aioredis.Redis, calls: list[Call]) -> list[tuple[str, Any]]:
     """(a key, the node to WAIT on: None on a plain client) per node ``calls`` reach."""
-    if not isinstance(redis, RedisCluster):
-        return [(calls[-1].keys[0], None)]
     nodes: dict[str, tuple[str, Any]] = {}
     for call in calls:
-        node = redis.get_node_from_key(call.keys[0])
-        nodes.setdefault(node.name, (call.keys[0], node))
+        node = _node_of(redis, call.keys[0])
+        nodes.setdefault(node.name if node is not None else "", (call.keys[0], node))
     return list(nodes.values())
 
 
+def _wait(pipe: Any, replicas: int, node: Any) -> None:
+    pipe.execute_command("WAIT", replicas, WAIT_MS,
+                         **({"target_nodes": node} if node is not None else {}))
+
+
 async def _send(redis: aioredis.Redis, calls: list[Call], replicas: int
-                ) -> tuple[list[Any], list[str]]:
-    """The calls' replies, and a key of each node whose replicas fell short."""
+                ) -> tuple[list[Any], list[tuple[str, Any]]]:
+    """The calls' replies, and (a key, its node) of each node whose replicas fell short."""
     pipe = redis.pipeline(transaction=False)
     for call in calls:
         pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
     waits = _node_keys(redis, calls) if replicas else []
     for _, node in waits:
-        pipe.execute_command("WAIT", replicas, WAIT_MS,
-                             **({"target_nodes": node} if node is not None else {}))
+        _wait(pipe, replicas, node)
     got = list(await pipe.execute(raise_on_error=False))
-    acked = got[len(calls):]
-    return got[:len(calls)], [key for (key, _), n in zip(waits, acked, strict=True)
-                              if isinstance(n, Exception) or int(n) < replicas]
+    short = []
+    for (key, node), acked in zip(waits, got[len(calls):], strict=True):
+        if isinstance(acked, Exception):
+            raise ReplicationUnknown(f"WAIT on the node of {key}: {acked}")
+        if int(acked) < replicas:
+            short.append((key, node))
+    return got[:len(calls)], short
 
 
 def wait_key(key: str) -> str:
@@ -141,22 +159,26 @@ def wait_key(key: str) -> str:
     return f"rlb:replicated:{tag}"
 
 
-async def _replicated(redis: aioredis.Redis, key: str, replicas: int) -> None:
-    """Wait until ``replicas`` replicas of ``key``'s node hold every write it has had."""
+async def _replicated(redis: aioredis.Redis, key: str, node: Any, replicas: int) -> None:
+    """Wait until ``replicas`` replicas of ``node`` (serving ``key``) hold every write it has
+    had; raise :class:`ReplicationUnknown` once it stops answering or serving the key."""
     delay = 0.05
     while True:
+        now = _node_of(redis, key)
+        if node is not None and (now is None or now.name != node.name):
+            raise ReplicationUnknown(f"the node of {key} failed over while its replicas lagged")
         pipe = redis.pipeline(transaction=False)
         pipe.set(wait_key(key), "1", px=60_000)
-        node = redis.get_node_from_key(key) if isinstance(redis, RedisCluster) else None
-        pipe.execute_command("WAIT", replicas, WAIT_MS,
-                             **({"target_nodes": node} if node is not None else {}))
+        _wait(pipe, replicas, node)
         try:
             acked = (await pipe.execute(raise_on_error=False))[-1]
-        except RedisError as exc:  # the node is gone: its successor is asked next time
-            acked = exc
-        if not isinstance(acked, Exception) and int(acked) >= replicas:
+        except RedisError as exc:
+            raise ReplicationUnknown(f"the node of {key}: {exc}") from exc
+        if isinstance(acked, Exception):
+            raise ReplicationUnknown(f"WAIT on the node of {key}: {acked}")
+        if int(acked) >= replicas:
             return
-        log.warning("commits wait for %d Redis replica(s) of the node of %s: %s", replicas,
-                    key, acked)
+        log.warning("commits wait for %d Redis replica(s) of the node of %s: %d hold them",
+                    replicas, key, int(acked))
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
