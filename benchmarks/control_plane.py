@@ -18,6 +18,9 @@
    the modelled step time; the emulated engines' own Python cost is not in it.
 3. One vs two manager replicas: a live pass of part 1 on one, then again with a second manager
    on the same brokers, exactly once checked the same way.
+4. What a replica's ack costs (RLBOOST_REDIS_REPLICA_ACKS=1): the Redis-only bound at the
+   largest flush again once a replica follows the Redis, without and with each commit batch
+   waiting for it, alternately.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from shared import protocol as wire
 from shared.bus import connect_nats, connect_redis
 from shared.names import Keys, parse_request_id, request_id
 from shared.process import exit_on_sigterm
-from shared.stack import Stack, child_env, free_port
+from shared.stack import Server, Stack, child_env, free_port
 
 RAW = "bench.raw"  # the baseline's subject: outside the chunk stream's
 REPEATS = 3  # passes of each kind per flush interval; the median is reported, and the range
@@ -168,14 +171,15 @@ async def probe(url: str, count: int) -> None:
     await nc.close()
 
 
-async def redis_bound(url: str, msgs: list[list[Frame]]) -> dict[str, Any]:
+async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0
+                      ) -> dict[str, Any]:
     """The same frames' commit scripts back to back on a fresh step (each response leased to
     the instance that sent it), in stream order and in the largest commits the manager makes
     (GROUP_MAX entries), one round trip at a time as ingest does; arguments packed before the
     clock starts.
     No NATS, no manager, no MAC checks: what Redis alone allows."""
     r = await connect_redis(url)
-    ledger = Ledger(r, lease_ttl_s=600)
+    ledger = Ledger(r, lease_ttl_s=600, replica_acks=replica_acks)
     run = f"bound-{secrets.token_hex(3)}"
     spec = INGEST_SPEC
     await ledger.create_step(run, 0, 0, prompts(int(spec["prompts_per_step"])),
@@ -250,6 +254,7 @@ def part_ingest(root: Path) -> dict[str, Any]:
                     raw = await raw_pass(nc, stack.nats.url, live["msgs"])
                     runs["raw"].append({**raw, "tokens": live["tokens"]})
                     runs["bound"].append(await redis_bound(stack.redis.url, live["msgs"]))
+                    kept = live["msgs"]  # the largest flush's, for part 4
                     del live["msgs"], drain["msgs"]
                     runs["live"].append(live)
                     runs["drain"].append(drain)
@@ -266,6 +271,7 @@ def part_ingest(root: Path) -> dict[str, Any]:
             two = await manager_pass(nc, http, stack, f"two{flush}", None, flush)
             del two["msgs"]
             out["replicas"] = {"flush": flush, "one": one, "two": two}
+            out["replica_acks"] = await replica_acks(stack, root, kept)
         await nc.close()
         return out
     second = Child("manager-1", [sys.executable, "-m", "manager_svc"],
@@ -279,6 +285,26 @@ def part_ingest(root: Path) -> dict[str, Any]:
         manager.signal(signal.SIGCONT)
         cluster.stop()
         stack.stop()
+
+
+async def replica_acks(stack: Stack, root: Path, msgs: list[list[Frame]]
+                       ) -> dict[str, Any]:
+    """Part 4: the bound with a replica following the Redis, unacked and acked in turn."""
+    replica = Server("redis", free_port(), root / "replica", root / "replica.log")
+    replica.start()
+    try:
+        follower = redis.Redis(host="127.0.0.1", port=replica.port)
+        follower.replicaof("127.0.0.1", stack.redis.port)
+        while follower.info("replication").get("master_link_status") != "up":
+            await asyncio.sleep(0.05)
+        follower.close()
+        runs: dict[str, list[dict[str, Any]]] = {"unacked": [], "acked": []}
+        for _ in range(REPEATS):
+            runs["unacked"].append(await redis_bound(stack.redis.url, msgs))
+            runs["acked"].append(await redis_bound(stack.redis.url, msgs, replica_acks=1))
+        return {"flush": max(FLUSHES), **runs}
+    finally:
+        replica.kill()
 
 
 # --- part 2: control-plane latency at 32 and 128 instances ---------------------------------------

@@ -96,6 +96,16 @@ def report(out: dict[str, Any]) -> bool:
               f"{v['duplicates']}, stale {v['stale']}, taken back {v['lost']})")
         ok = ok and v["exact"]
     print(f"  two/one: {(two['tokens'] / two['seconds']) / (one['tokens'] / one['seconds']):.2f}x")
+    acks = out["replica_acks"]
+    plain, acked = median_pass(acks["unacked"]), median_pass(acks["acked"])
+    print(f"\n[4] a replica's ack (RLBOOST_REDIS_REPLICA_ACKS=1), the Redis-only bound at flush "
+          f"{acks['flush']} with a replica following the Redis (median of {len(acks['acked'])}, "
+          f"alternately):")
+    print(f"  each batch unacked       : {rate(plain):>10,.0f} tokens/s "
+          f"({spread(acks['unacked'])})")
+    print(f"  each batch replica-acked : {rate(acked):>10,.0f} tokens/s ({spread(acks['acked'])})"
+          f"; acked/unacked {rate(acked) / rate(plain):.2f}x")
+    ok = ok and all(b["all_committed"] for b in acks["unacked"] + acks["acked"])
     print(f"\ngoals (>= {GOAL_TPS:,} committed tokens/s at flush {max(out['ingest'])}, >= "
           f"{GOAL_BOUND}x the Redis-only bound, overhead <= {GOAL_OVERHEAD:.0%}): "
           f"{'met' if ok else 'NOT met'}; best committed rate {best:,.0f} tokens/s")
