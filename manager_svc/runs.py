@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from manager_svc.archive import Archive
-from manager_svc.scripts import register
+from manager_svc.scripts import Call, register, run_batch
 from shared.errors import RlboostError
 from shared.names import Keys
 from shared.protocol import RunSpec, decode, encode
@@ -50,8 +50,12 @@ class RunConflict(RlboostError):
 
 class RunStore:
     def __init__(self, redis: aioredis.Redis, archive: Archive, retention_s: float = 86_400.0,
-                 max_queued: int = 1_000_000) -> None:
+                 max_queued: int = 1_000_000, replica_acks: int = 0) -> None:
         self.r = redis
+        # Replicas a finished step's record must reach before the trainer is told it is
+        # recorded (RLBOOST_REDIS_REPLICA_ACKS): one lost in a failover would have the run
+        # step back, and the trainer train that step's samples again with the next weights.
+        self.replica_acks = replica_acks
         self.archive = archive
         self.retention_ms = max(1, int(retention_s * 1000))
         self.max_queued = max_queued
@@ -222,11 +226,12 @@ class RunStore:
         if the run is no longer at ``step`` when its script runs (finish_step.lua)."""
         text = json.dumps(record)
         await self.archive.write_step(run_id, step, text, samples_json)
-        recorded = await self._finish_step(
-            keys=[Keys.run(run_id), Keys.samples(run_id, step), Keys.step_records(run_id)],
-            args=[step, samples_json, text, time.time(),
-                  "" if checkpoints is None else json.dumps(checkpoints),
-                  int(step + 1 >= steps)])
+        [recorded] = await run_batch(self.r, [Call(
+            self._finish_step,
+            [Keys.run(run_id), Keys.samples(run_id, step), Keys.step_records(run_id)],
+            [step, samples_json, text, time.time(),
+             "" if checkpoints is None else json.dumps(checkpoints), int(step + 1 >= steps)])],
+            self.replica_acks)
         if not recorded:
             # Another finish of this step got there first (this one's commands arrived late,
             # or it is a retry): the archive keeps the record Redis keeps.

@@ -131,7 +131,8 @@ class ManagerService:
         """The parts, each given what it uses; none reaches another except through these."""
         cfg, redis, nc, metrics, soft = self.cfg, self.redis, self.nc, self.metrics, self.soft
         archive = Archive(cfg.common.data_dir)
-        self.runs = RunStore(redis, archive, cfg.retention_s, cfg.max_queued_runs)
+        self.runs = RunStore(redis, archive, cfg.retention_s, cfg.max_queued_runs,
+                             cfg.redis_replica_acks)
         self.events = InstanceEvents(redis, archive)
         crash = CrashPoints(cfg.crash_points, cfg.common.data_dir)
         self.ledger = Ledger(redis, cfg.lease_ttl_s, cfg.migration, self.auth.lease_key, crash,

@@ -148,9 +148,9 @@ class ManagerConfig(Settings):
         "RLBOOST_STREAM_REPLICAS", 1, "copies of the chunk stream a JetStream cluster keeps "
         "(3 on the compose profile \"ha\"'s 3-node cluster); 1 on one server", ge=1, le=5)
     redis_replica_acks: int = setting(
-        "RLBOOST_REDIS_REPLICA_ACKS", 0, "Redis replicas a commit must reach (WAIT) before its "
-        "frames are acked: 1 with a replica per primary, so a failover loses no acked commit; "
-        "0 = off", ge=0, le=5)
+        "RLBOOST_REDIS_REPLICA_ACKS", 0, "Redis replicas a commit (and a finished step's "
+        "record) must reach (WAIT) before it is acked: 1 with a replica per primary, so a "
+        "failover loses no acked commit; 0 = off", ge=0, le=5)
     max_queued_runs: int = setting(
         "RLBOOST_MAX_QUEUED_RUNS", 100, "POST /v1/runs past this many queued runs is refused "
         "with 429", ge=1)

@@ -14,14 +14,19 @@ import asyncio
 import contextlib
 import signal
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import redis
 
 from manager_svc.accounting import Ledger
+from manager_svc.archive import Archive
+from manager_svc.runs import RunStore
 from shared.bus import connect_redis
 from shared.names import Keys
-from shared.protocol import FrameEntry, TokenFrame
+from shared.protocol import FrameEntry, RunSpec, TokenFrame
 from shared.stack import Server, free_port
 from tests.support.redis_cluster import RedisClusterNodes
 
@@ -63,23 +68,50 @@ async def held_back_until_replicated(url: str, replica: subprocess.Popen[bytes],
     await ledger.r.aclose()
 
 
-async def test_a_commit_waits_for_the_replica_of_a_primary(tmp_path: Path) -> None:
+@pytest.fixture
+def primary(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], int]]:
+    """A primary's URL, and its replica's process and port, in sync."""
     servers = [Server("redis", free_port(), tmp_path / name, tmp_path / f"{name}.log")
                for name in ("primary", "replica")]
-    primary, replica = servers
+    first, second = servers
     try:
         for server in servers:
             server.start()
-        follower = redis.Redis(host="127.0.0.1", port=replica.port)
-        follower.replicaof("127.0.0.1", primary.port)
+        follower = redis.Redis(host="127.0.0.1", port=second.port)
+        follower.replicaof("127.0.0.1", first.port)
         while follower.info("replication").get("master_link_status") != "up":
-            await asyncio.sleep(0.05)
+            time.sleep(0.05)
         follower.close()
-        assert replica.proc is not None
-        await held_back_until_replicated(primary.url, replica.proc, replica.port)
+        assert second.proc is not None
+        yield first.url, second.proc, second.port
     finally:
         for server in servers:
             server.kill()
+
+
+async def test_a_commit_waits_for_the_replica_of_a_primary(
+        primary: tuple[str, subprocess.Popen[bytes], int]) -> None:
+    await held_back_until_replicated(*primary)
+
+
+async def test_a_finished_step_is_recorded_once_the_replica_holds_it(
+        primary: tuple[str, subprocess.Popen[bytes], int], tmp_path: Path) -> None:
+    url, replica, port = primary
+    runs = RunStore(await connect_redis(url), Archive(tmp_path), replica_acks=1)
+    run_id = (await runs.create(RunSpec(model="emu", steps=2)))["id"]
+    assert await runs.active() == run_id
+    replica.send_signal(signal.SIGSTOP)
+    try:
+        pending = asyncio.ensure_future(runs.finish_step(run_id, 0, {"step": 0}, "[]", 2))
+        done, _ = await asyncio.wait([pending], timeout=STALL_S)
+        assert not done, "the step was recorded while no replica could hold it"
+    finally:
+        replica.send_signal(signal.SIGCONT)
+    await asyncio.wait_for(pending, timeout=30)
+    copy = redis.Redis(host="127.0.0.1", port=port, decode_responses=True)
+    assert copy.hget(Keys.run(run_id), "step") == "1"
+    copy.close()
+    await runs.r.aclose()
 
 
 async def test_a_commit_waits_for_the_replica_of_its_cluster_node(tmp_path: Path) -> None:
