@@ -241,6 +241,12 @@ class RunStore:
             if kept and kept_samples is not None:
                 await self.archive.write_step(run_id, step, kept[-1], kept_samples)
             return
+        await self.after_finish(run_id, step, steps)
+
+    async def after_finish(self, run_id: str, step: int, steps: int) -> None:
+        """What follows step ``step``'s record, each part safe to repeat: a finish retried
+        after its record was written (a reply lost, a failover while the record waited for
+        its replica) does it again."""
         if step + 1 >= steps:
             await self.clear_active(run_id)
         if step > 0:
@@ -332,7 +338,9 @@ class RunStore:
             state, retired = await self.r.hmget(Keys.run(run_id), ["state", "retired"])
             if state in TERMINAL and not retired:
                 await self.retire(run_id)
-            elif state == "queued" and run_id not in queued:
+            elif (state == "queued" and run_id not in queued
+                  and await self.r.lpos(Keys.queue, run_id) is None
+                  and await self.r.get(Keys.active) != run_id):  # queued since the snapshot
                 await self._requeue(run_id)
 
     async def checkpoints(self, run_id: str) -> list[dict[str, Any]] | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import weakref
 from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
@@ -30,12 +31,29 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from shared.names import HELD_PREFIX, LEASE_PREFIX, REQUEST_PREFIX, RUN_PREFIX, TOKENS_SUFFIX
 
 log = logging.getLogger("manager")
 WAIT_MS = 1000  # one WAIT for replicas; a shortfall is waited for again, never skipped
+# What a plain client of one cluster node takes from the cluster client's node settings.
+_NODE_KWARGS = ("username", "password", "credential_provider", "decode_responses", "encoding",
+                "encoding_errors", "socket_timeout", "socket_connect_timeout", "protocol")
+# Answers that say the slot is not served here now: the batch may not have run.
+_NOT_HERE = (MovedError, AskError, ClusterDownError, TryAgainError)
+# Per cluster client, a plain client of each node (by name) for the batches that wait for
+# replicas: a cache beside the client it serves, gone with it.
+_NODE_CLIENTS: weakref.WeakKeyDictionary[Any, dict[str, aioredis.Redis]] = (
+    weakref.WeakKeyDictionary())
 _INCLUDE = re.compile(r"^-- include: (\S+\.lua)$", re.MULTILINE)
 _CONSTANT = re.compile(r"@([A-Z_]+)@")
 CONSTANTS = {"TOKENS_SUFFIX": TOKENS_SUFFIX, "REQUEST_PREFIX": REQUEST_PREFIX,
@@ -135,6 +153,8 @@ def _wait(pipe: Any, replicas: int, node: Any) -> None:
 async def _send(redis: aioredis.Redis, calls: list[Call], replicas: int
                 ) -> tuple[list[Any], list[tuple[str, Any]]]:
     """The calls' replies, and (a key, its node) of each node whose replicas fell short."""
+    if replicas and isinstance(redis, RedisCluster):
+        return await _send_to_nodes(redis, calls, replicas)
     pipe = redis.pipeline(transaction=False)
     for call in calls:
         pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
@@ -149,6 +169,59 @@ async def _send(redis: aioredis.Redis, calls: list[Call], replicas: int
         if int(acked) < replicas:
             short.append((key, node))
     return got[:len(calls)], short
+
+
+def _node_client(redis: RedisCluster, node: Any) -> aioredis.Redis:
+    clients = _NODE_CLIENTS.setdefault(redis, {})
+    if node.name not in clients:
+        kwargs = {k: v for k, v in node.connection_kwargs.items() if k in _NODE_KWARGS}
+        clients[node.name] = aioredis.Redis(host=node.host, port=node.port, **kwargs)
+    return clients[node.name]
+
+
+async def _on_node(redis: RedisCluster, node: Any, commands: list[tuple[Any, ...]],
+                   replicas: int) -> list[Any]:
+    """``commands`` then WAIT on one connection to ``node`` itself. The cluster client's
+    pipeline cannot be trusted with WAIT: a retry or a MOVED resends a script to another node
+    on another connection, while the WAIT is answered by the first. A redirect, a node that
+    does not answer, or a WAIT that fails: the slot map is read again and
+    :class:`ReplicationUnknown` raised (the caller sends the batch again)."""
+    pipe = _node_client(redis, node).pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    pipe.execute_command("WAIT", replicas, WAIT_MS)
+    try:
+        got = list(await pipe.execute(raise_on_error=False))
+    except RedisError as exc:
+        got = [exc]
+    # Script errors (NOSCRIPT included) are the caller's; any other is the node's.
+    moved = [r for r in got if isinstance(r, _NOT_HERE) or (
+        isinstance(r, RedisError) and not isinstance(r, ResponseError))]
+    if moved or isinstance(got[-1], Exception):
+        await redis.nodes_manager.initialize()
+        raise ReplicationUnknown(f"batch on {node.name}: {(moved or got)[-1]}")
+    return got
+
+
+async def _send_to_nodes(redis: RedisCluster, calls: list[Call], replicas: int
+                         ) -> tuple[list[Any], list[tuple[str, Any]]]:
+    """:func:`_send` on a cluster with replicas to wait for: each node's calls and WAIT on
+    that node's own connection, node after node."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for i, call in enumerate(calls):
+        node = redis.get_node_from_key(call.keys[0])
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    replies: list[Any] = [None] * len(calls)
+    short: list[tuple[str, Any]] = []
+    for node, idx in groups.values():
+        got = await _on_node(redis, node, [
+            ("EVALSHA", calls[i].script.sha, len(calls[i].keys), *calls[i].keys,
+             *calls[i].args) for i in idx], replicas)
+        for i, reply in zip(idx, got, strict=False):
+            replies[i] = reply
+        if int(got[-1]) < replicas:
+            short.append((calls[idx[0]].keys[0], node))
+    return replies, short
 
 
 def wait_key(key: str) -> str:
@@ -167,6 +240,16 @@ async def _replicated(redis: aioredis.Redis, key: str, node: Any, replicas: int)
         now = _node_of(redis, key)
         if node is not None and (now is None or now.name != node.name):
             raise ReplicationUnknown(f"the node of {key} failed over while its replicas lagged")
+        if isinstance(redis, RedisCluster):
+            got = await _on_node(redis, node, [("SET", wait_key(key), "1", "PX", 60_000)],
+                                 replicas)
+            if int(got[-1]) >= replicas:
+                return
+            log.warning("commits wait for %d Redis replica(s) of %s: %d hold them", replicas,
+                        node.name, int(got[-1]))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
         pipe = redis.pipeline(transaction=False)
         pipe.set(wait_key(key), "1", px=60_000)
         _wait(pipe, replicas, node)

@@ -154,15 +154,20 @@ class TrainerApi:
         run = await self.runs.get(fin.run_id)
         if run is None:
             return Ack(ok=False, detail=f"unknown run {fin.run_id}")
-        if run["step"] > fin.step:
-            return Ack(detail="already recorded")  # a retried finish after a lost reply
+        if run["step"] > fin.step:  # a retried finish after a lost reply: the rest again
+            if run["step"] == fin.step + 1:
+                await self.runs.after_finish(fin.run_id, fin.step, run["steps"])
+                await self.redis.hset(Keys.step(fin.run_id, fin.step), "state", "finished")
+            return Ack(detail="already recorded")
         if run["state"] != "running" or run["step"] != fin.step:
             return Ack(ok=False, detail=f"run is {run['state']} at step {run['step']}")
         digest = await self._barrier_digest(fin.run_id, fin.step)
         if digest is None or digest != fin.digest:
             # The trainer trained on something other than the barrier's data: invariant 3.
-            await self.runs.set_state(fin.run_id, "failed", "barrier digest mismatch")
+            # No longer active before it is failed: a resume of it may follow at once, and
+            # must find it only in the queue, never still active (it would run twice).
             await self.runs.clear_active(fin.run_id)
+            await self.runs.set_state(fin.run_id, "failed", "barrier digest mismatch")
             return Ack(ok=False, detail="digest does not match the barrier's")
         samples = await self.ledger.done_samples(fin.run_id, fin.step)
         rewards = {(r.prompt_index, r.sample_index): r.reward for r in fin.rewards}
@@ -257,8 +262,8 @@ class TrainerApi:
         return Ack()
 
     async def on_run_failed(self, msg: RunFailed) -> Ack:
+        await self.runs.clear_active(msg.run_id)  # before it is failed: see on_finish
         await self.runs.set_state(msg.run_id, "failed", msg.error[:2000])
-        await self.runs.clear_active(msg.run_id)
         return Ack()
 
 

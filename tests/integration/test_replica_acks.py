@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.exceptions import RedisError
 
 from manager_svc.accounting import Ledger
 from manager_svc.archive import Archive
 from manager_svc.runs import RunStore
+from manager_svc.scripts import Call, run_batch
 from shared.bus import connect_redis
 from shared.names import Keys
 from shared.protocol import FrameEntry, RunSpec, TokenFrame
@@ -120,3 +122,39 @@ async def test_a_commit_waits_for_the_replica_of_its_cluster_node(tmp_path: Path
         home = nodes.ports.index(nodes.node_of(Keys.run(RUN)))
         replica = nodes.size + home  # one replica each, in the primaries' order
         await held_back_until_replicated(nodes.url, nodes.procs[replica], nodes.ports[replica])
+
+
+async def test_no_batch_is_acked_while_its_new_primary_has_no_replica(tmp_path: Path) -> None:
+    # The primary of the slot dies: its replica takes over with no replica of its own, so
+    # no batch on that slot may come back acked until the dead node returns as its replica
+    # (a WAIT answered by another node, or on another connection, would let one through).
+    with RedisClusterNodes(tmp_path / "cluster", replicas=1) as nodes:
+        client = await connect_redis(nodes.url)
+        count = client.register_script("return redis.call('INCR', KEYS[1])")
+        key = Keys.run(RUN)
+        assert await run_batch(client, [Call(count, [key], [])], replicas=1) == [1]
+        home = nodes.node_of(key)
+        victim = nodes.procs[nodes.ports.index(home)]
+        assert victim.poll() is None
+        victim.kill()
+        victim.wait(timeout=10)
+        # Batches sent all through the failover (~2 s) and after it: none may come back.
+        end = time.monotonic() + 8
+        tries = 0
+        while time.monotonic() < end:
+            tries += 1
+            with contextlib.suppress(RedisError, TimeoutError):
+                got = await asyncio.wait_for(run_batch(client, [Call(count, [key], [])],
+                                                       replicas=1), timeout=2)
+                raise AssertionError(f"acked with no replica to hold it: {got}")
+            await asyncio.sleep(0.3)
+        assert tries >= 3 and nodes.primary_of(key) != home, "the slot did not fail over"
+        nodes.restart(home)  # back as the new primary's replica
+        got = None
+        end = time.monotonic() + 60
+        while got is None and time.monotonic() < end:
+            with contextlib.suppress(RedisError, TimeoutError):
+                got = await asyncio.wait_for(run_batch(client, [Call(count, [key], [])],
+                                                       replicas=1), timeout=5)
+        assert got is not None and int(got[0]) >= 2, got
+        await client.aclose()
