@@ -131,44 +131,23 @@ class ReplicationUnknown(RedisError):  # type: ignore[misc]  # redis-py is Any t
     """Whether a batch's writes outlived their node is unknown: send it again."""
 
 
-def _node_of(redis: aioredis.Redis, key: str) -> Any:
-    """The cluster node serving ``key`` now; None on a plain client."""
-    return redis.get_node_from_key(key) if isinstance(redis, RedisCluster) else None
-
-
-def _node_keys(redis: aioredis.Redis, calls: list[Call]) -> list[tuple[str, Any]]:
-    """(a key, the node to WAIT on: None on a plain client) per node ``calls`` reach."""
-    nodes: dict[str, tuple[str, Any]] = {}
-    for call in calls:
-        node = _node_of(redis, call.keys[0])
-        nodes.setdefault(node.name if node is not None else "", (call.keys[0], node))
-    return list(nodes.values())
-
-
-def _wait(pipe: Any, replicas: int, node: Any) -> None:
-    pipe.execute_command("WAIT", replicas, WAIT_MS,
-                         **({"target_nodes": node} if node is not None else {}))
-
-
 async def _send(redis: aioredis.Redis, calls: list[Call], replicas: int
                 ) -> tuple[list[Any], list[tuple[str, Any]]]:
-    """The calls' replies, and (a key, its node) of each node whose replicas fell short."""
+    """The calls' replies, and (a key, its node: None on a plain client) of each node whose
+    replicas fell short. A plain client's pipeline is one connection: its WAIT covers it."""
     if replicas and isinstance(redis, RedisCluster):
         return await _send_to_nodes(redis, calls, replicas)
     pipe = redis.pipeline(transaction=False)
     for call in calls:
         pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-    waits = _node_keys(redis, calls) if replicas else []
-    for _, node in waits:
-        _wait(pipe, replicas, node)
+    if replicas:
+        pipe.execute_command("WAIT", replicas, WAIT_MS)
     got = list(await pipe.execute(raise_on_error=False))
-    short = []
-    for (key, node), acked in zip(waits, got[len(calls):], strict=True):
-        if isinstance(acked, Exception):
-            raise ReplicationUnknown(f"WAIT on the node of {key}: {acked}")
-        if int(acked) < replicas:
-            short.append((key, node))
-    return got[:len(calls)], short
+    if not replicas:
+        return got, []
+    if isinstance(got[-1], Exception):
+        raise ReplicationUnknown(f"WAIT: {got[-1]}")
+    return got[:-1], [(calls[-1].keys[0], None)] if int(got[-1]) < replicas else []
 
 
 def _node_client(redis: RedisCluster, node: Any) -> aioredis.Redis:
@@ -233,32 +212,26 @@ def wait_key(key: str) -> str:
 
 
 async def _replicated(redis: aioredis.Redis, key: str, node: Any, replicas: int) -> None:
-    """Wait until ``replicas`` replicas of ``node`` (serving ``key``) hold every write it has
-    had; raise :class:`ReplicationUnknown` once it stops answering or serving the key."""
+    """Wait until ``replicas`` replicas of the node serving ``key`` (``node`` on a cluster)
+    hold every write it has had: a marker write on its slot and WAIT, on one connection;
+    raise :class:`ReplicationUnknown` once it stops answering or serving the key."""
     delay = 0.05
     while True:
-        now = _node_of(redis, key)
-        if node is not None and (now is None or now.name != node.name):
-            raise ReplicationUnknown(f"the node of {key} failed over while its replicas lagged")
+        marker = ("SET", wait_key(key), "1", "PX", 60_000)
         if isinstance(redis, RedisCluster):
-            got = await _on_node(redis, node, [("SET", wait_key(key), "1", "PX", 60_000)],
-                                 replicas)
-            if int(got[-1]) >= replicas:
-                return
-            log.warning("commits wait for %d Redis replica(s) of %s: %d hold them", replicas,
-                        node.name, int(got[-1]))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-            continue
-        pipe = redis.pipeline(transaction=False)
-        pipe.set(wait_key(key), "1", px=60_000)
-        _wait(pipe, replicas, node)
-        try:
-            acked = (await pipe.execute(raise_on_error=False))[-1]
-        except RedisError as exc:
-            raise ReplicationUnknown(f"the node of {key}: {exc}") from exc
-        if isinstance(acked, Exception):
-            raise ReplicationUnknown(f"WAIT on the node of {key}: {acked}")
+            if redis.get_node_from_key(key).name != node.name:
+                raise ReplicationUnknown(f"{node.name} failed over while its replicas lagged")
+            acked = (await _on_node(redis, node, [marker], replicas))[-1]
+        else:
+            pipe = redis.pipeline(transaction=False)
+            pipe.execute_command(*marker)
+            pipe.execute_command("WAIT", replicas, WAIT_MS)
+            try:
+                acked = (await pipe.execute(raise_on_error=False))[-1]
+            except RedisError as exc:
+                raise ReplicationUnknown(f"the node of {key}: {exc}") from exc
+            if isinstance(acked, Exception):
+                raise ReplicationUnknown(f"WAIT on the node of {key}: {acked}")
         if int(acked) >= replicas:
             return
         log.warning("commits wait for %d Redis replica(s) of the node of %s: %d hold them",
