@@ -1,4 +1,4 @@
-"""Frame ingest and the barrier: the manager's exactly-once path from the stream to Redis.
+"""Frame ingest: the manager's exactly-once path from the stream to Redis.
 
 Contract: token frames (one per rollout-instance flush, an entry per response) arrive through
 the durable JetStream consumer and are committed in stream order by
@@ -10,10 +10,10 @@ redelivered), and so is a frame whose instance is not its subject's. Within a fr
 that is forged (its MAC or run does not check out: :mod:`manager_svc.chunk_auth`; counted as
 the step's ``forged_chunks_rejected``) or has a negative offset or a token id outside the run's
 vocabulary (``invalid_chunks_dropped``) is dropped alone: no such entry reaches the commit
-script, the frame's others do. A group or step completed by a commit is announced
-(``GroupDone``), and a completed step freezes its digest and announces the barrier (the
-dispatcher calls :meth:`ChunkIngest.barrier` too, for a complete step whose barrier a killed
-manager never announced).
+script, the frame's others do. What a commit completed is announced by
+:mod:`manager_svc.announce` (group events, then the barrier of a completed step; the dispatcher
+calls :meth:`ChunkIngest.barrier` too, for a complete step whose barrier a killed manager never
+announced) before its frames are acked.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ import contextlib
 import json
 import logging
 import time
-from collections import Counter, deque
-from collections.abc import Iterator
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg as NatsMsg
@@ -36,6 +34,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from manager_svc.accounting import COMMIT_SLICE, CommitResult, Ledger
+from manager_svc.announce import Announcer
 from manager_svc.chunk_auth import ChunkAuth, invalid
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
@@ -43,19 +42,12 @@ from manager_svc.scripts import Call
 from manager_svc.soft_state import SoftState
 from shared import names
 from shared.errors import ProtocolError
-from shared.names import Keys, request_id
+from shared.names import Keys
 from shared.process import wait_event
 from shared.protocol import (
-    MESSAGE_BUDGET,
-    Barrier,
     FrameEntry,
-    GroupDone,
-    RowDigest,
-    RunSpec,
-    Sample,
     TokenFrame,
     decode,
-    encode,
 )
 
 log = logging.getLogger("manager")
@@ -69,8 +61,7 @@ CREATE_CONSUMER = (f"$JS.API.CONSUMER.CREATE.{names.CHUNK_STREAM}.{names.CHUNK_C
 UNPIN = f"$JS.API.CONSUMER.UNPIN.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 INGEST_GROUP = "managers"  # the consumer's one priority group: every replica pulls in it
 PIN_HEADER = "Nats-Pin-Id"
-CACHE_SIZE = 64  # steps whose vocabulary size, and runs whose spec, are remembered
-ROW_STEPS = 4  # steps whose announced responses' digest parts are kept for their barrier
+CACHE_SIZE = 64  # steps whose vocabulary size is remembered
 
 
 async def bind_consumer(nc: Nats, ack_wait_s: float) -> None:
@@ -137,11 +128,13 @@ class ChunkIngest:
         self.soft = soft
         self.auth = auth
         self._vocab: dict[str, int] = {}  # step key -> the run's vocabulary size (0: unknown)
-        self._specs: dict[str, RunSpec] = {}  # run id -> its spec, written once at submission
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self._in_flight = 0  # frames pulled and not yet acked or terminated
-        self._barriers: dict[tuple[str, int], asyncio.Future[None]] = {}  # being made now
-        self._rows: dict[tuple[str, int], dict[str, RowDigest]] = {}  # see _known_rows
+        self.announcer = Announcer(redis, nc, ledger, runs, metrics, soft)
+
+    async def barrier(self, run_id: str, step: int) -> None:
+        """:meth:`Announcer.barrier`: the dispatcher's and dynamic sampling's way in."""
+        await self.announcer.barrier(run_id, step)
 
     async def leave(self) -> None:
         """After the last ack: a waiting replica takes the stream over now, not in a TTL.
@@ -224,6 +217,7 @@ class ChunkIngest:
                         self.ledger.run_calls(part.calls, wait_for_redis=True))
                     settles.append(asyncio.ensure_future(
                         self._settle(part, commit, settles[-1] if settles else None)))
+                    self.announcer.track(settles[-1])
                     part = _Part()
                     while settles and (len(settles) > SETTLING or settles[0].done()):
                         await settles.popleft()  # what a settle raised ends ingest here
@@ -285,55 +279,12 @@ class ChunkIngest:
         it completed, then ack it. A part is acked only once committed, so after a crash it
         returns as duplicates; the next part's commit does not wait for this."""
         try:
-            results = iter(await commit)
-            if before is not None:  # its groups are announced first, whatever became of it
-                await asyncio.wait([before])
-            await self._announce(part.frames, results)
+            tally = self.announcer.tally(part.frames, iter(await commit))
+            await self.announcer.announce(tally, before)
             for msg in part.keep:
                 await msg.ack()
         finally:
             self._in_flight -= len(part.keep)
-
-    async def _announce(self, frames: list[TokenFrame], results: Iterator[CommitResult]
-                        ) -> None:
-        """Count a committed part's results, take back what was revoked, announce the groups
-        and steps it completed."""
-        # Counted once per part, not per entry: a labelled counter costs microseconds a call.
-        statuses: Counter[str] = Counter()
-        tokens = discarded = 0
-        ended: list[tuple[str, int, int]] = []  # groups complete, in commit order
-        barriers: list[tuple[str, int]] = []  # steps complete
-        for frame in frames:
-            for entry in frame.entries:
-                status = next(results).status
-                statuses[status] += 1
-                if status in ("ok", "final", "group", "step"):
-                    tokens += len(entry.token_ids)
-                elif status == "aborted":  # its step closed without it (dynamic sampling)
-                    discarded += len(entry.token_ids)
-                if status in ("gap", "wrong_version", "overlong"):
-                    self._taken_back(frame, entry, status)
-                elif status in ("group", "step"):
-                    run_id, step, prompt, _ = names.parse_request_id(entry.request_id)
-                    ended.append((run_id, step, prompt))
-                    if status == "step":
-                        barriers.append((run_id, step))
-        # Every group a part completed is read in one round trip and announced before the
-        # barrier of its step (one read per group was a round trip each, inside the loop).
-        await self._announce_groups(ended)
-        for run_id, step in barriers:
-            await self.barrier(run_id, step)
-        for status, n in statuses.items():
-            self.metrics.chunks.labels(status).inc(n)
-        self.metrics.tokens.inc(tokens)
-        self.metrics.discarded.inc(discarded)
-
-    def _taken_back(self, frame: TokenFrame, entry: FrameEntry, status: str) -> None:
-        """The commit script revoked the entry's response: dispatch leases it again."""
-        self.metrics.revocations.labels(status).inc()
-        log.info("entry of %s from %s: %s; taken back", entry.request_id, frame.instance_id,
-                 status)
-        self.soft.wake.set()
 
     async def _reject(self, frame: TokenFrame, entry: FrameEntry, subject: str, result: str,
                       why: str) -> None:
@@ -361,71 +312,3 @@ class ChunkIngest:
             if stored is not None:
                 self._vocab[skey] = size
         return size
-
-    async def _spec(self, run_id: str) -> RunSpec | None:
-        spec = self._specs.get(run_id)
-        if spec is None:
-            spec = await self.runs.spec(run_id)  # a read and a decode: once, not per group
-            if spec is not None:
-                if len(self._specs) >= CACHE_SIZE:
-                    self._specs.clear()
-                self._specs[run_id] = spec
-        return spec
-
-    async def _announce_groups(self, groups: list[tuple[str, int, int]]) -> None:
-        """Tell the trainer these groups are complete, each with its samples when they fit."""
-        wanted: list[tuple[tuple[str, int, int], int]] = []
-        for group in groups:
-            spec = await self._spec(group[0])
-            if spec is not None:  # else the run's record is gone: nobody trains the group
-                wanted.append((group, spec.samples_per_prompt))
-        rids = [request_id(*group, s) for group, n in wanted for s in range(n)]
-        by_group: dict[tuple[str, int, int], list[Sample]] = {}
-        digests: dict[str, RowDigest] = {}
-        for sample in await self.ledger.samples(rids, digests):  # in (prompt, sample) order
-            run_id, step, prompt, _ = names.parse_request_id(sample.request_id)
-            by_group.setdefault((run_id, step, prompt), []).append(sample)
-            self._known_rows(run_id, step)[sample.request_id] = digests[sample.request_id]
-        for (run_id, step, prompt), _ in wanted:
-            event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt,
-                                     samples=by_group.get((run_id, step, prompt), [])))
-            if len(event) > MESSAGE_BUDGET:  # the trainer pages it in after the barrier
-                event = encode(GroupDone(run_id=run_id, step=step, prompt_index=prompt))
-            await self.nc.publish(names.group_subject(run_id), event)
-
-    async def barrier(self, run_id: str, step: int) -> None:
-        """Every response of the step is complete, once: freeze the digest and announce it.
-
-        Ingest (the commit that completed the step) and the dispatcher (a complete step still
-        in rollout) both call this; until the state says training, the dispatcher's every
-        pass found the step complete and read all of it again alongside ingest. A barrier
-        this replica is already making is waited for, not made twice."""
-        key = (run_id, step)
-        running = self._barriers.get(key)
-        if running is None:
-            running = self._barriers[key] = asyncio.ensure_future(self._barrier(run_id, step))
-            running.add_done_callback(lambda _: self._barriers.pop(key, None))
-        await asyncio.shield(running)
-
-    def _known_rows(self, run_id: str, step: int) -> dict[str, RowDigest]:
-        """The digest parts of the step's responses this replica has announced."""
-        rows = self._rows.get((run_id, step))
-        if rows is None:
-            if len(self._rows) >= ROW_STEPS:  # the oldest step's: its barrier reads them
-                del self._rows[next(iter(self._rows))]
-            rows = self._rows[(run_id, step)] = {}
-        return rows
-
-    async def _barrier(self, run_id: str, step: int) -> None:
-        # Hashed from the parts its groups' announcements read; the rest (groups another
-        # replica announced, or none announced since this one started) are read now.
-        digest = await self.ledger.done_digest(run_id, step, self._rows.pop((run_id, step), None))
-        await self.redis.hset(Keys.step(run_id, step), mapping={
-            "state": "training", "rollout_done_at": time.time(),
-            "digest": msgspec.json.encode(digest).decode(),
-        })
-        log.info("barrier %s step %d: %d responses, %d tokens", run_id, step,
-                 digest.responses, digest.tokens)
-        await self.nc.publish(names.barrier_subject(run_id),
-                              encode(Barrier(run_id=run_id, step=step, digest=digest)))
-
