@@ -61,7 +61,11 @@ def _flat(fields: dict[str, Any]) -> bytes:
 _int_list = msgspec.json.Decoder(list[int])
 
 
-def _row_digest(row: list[str | None]) -> RowDigest:
+Row = list[str | None]  # a response as stored: p, s, version, prompt, tokens, finish, instances
+
+
+def stored_digest(row: Row) -> RowDigest:
+    """A stored response's part of the step's digest, hashed from its stored text."""
     p, s, version, prompt, tokens = row[:5]
     return row_digest(int(p or 0), int(s or 0), int(version or 0), prompt or "", tokens or "")
 
@@ -369,7 +373,7 @@ class Ledger:
             for run_id, args in by_run.items()])
         return [str(r) for lost in replies for r in lost]
 
-    async def _rows(self, rids: list[str]) -> list[list[str | None]]:
+    async def rows(self, rids: list[str]) -> list[Row]:
         """Each response's stored (p, s, version, prompt, tokens, finish, instances), in
         ``rids`` order: READ_SLICE responses a script call, every call in one round trip."""
         if not rids:
@@ -388,12 +392,10 @@ class Ledger:
                 raise LookupError(f"response {rid} has no stored record")
         return rows
 
-    async def samples(self, rids: list[str], digests: dict[str, RowDigest] | None = None
-                      ) -> list[Sample]:
-        """The responses ``rids`` as samples, in (prompt, sample) order; with ``digests``,
-        each one's part of the barrier's digest too, by request id."""
+    async def samples(self, rids: list[str]) -> list[Sample]:
+        """The responses ``rids`` as samples, in (prompt, sample) order."""
         out = []
-        for rid, row in zip(rids, await self._rows(rids), strict=True):
+        for rid, row in zip(rids, await self.rows(rids), strict=True):
             p, s, version, prompt, tokens, finish, instances = row
             out.append(Sample(
                 request_id=rid, prompt_index=int(p or 0), sample_index=int(s or 0),
@@ -401,8 +403,6 @@ class Ledger:
                 response_token_ids=_ints(tokens), finish_reason=finish or "",
                 instances=[i for i in (instances or "").split(",") if i],
             ))
-            if digests is not None:
-                digests[rid] = _row_digest(row)
         out.sort(key=lambda x: (x.prompt_index, x.sample_index))
         return out
 
@@ -415,7 +415,7 @@ class Ledger:
         known = known or {}
         rids = await self._done_rids(run_id, step)
         missing = [rid for rid in rids if rid not in known]
-        read = dict(zip(missing, map(_row_digest, await self._rows(missing)), strict=True))
+        read = dict(zip(missing, map(stored_digest, await self.rows(missing)), strict=True))
         return rows_digest([known[rid] if rid in known else read[rid] for rid in rids])
 
     async def done_samples(self, run_id: str, step: int) -> list[Sample]:

@@ -63,9 +63,11 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
             assert a is not None
             held[iid].append((a.request_id, a.epoch, a.lease_key))
         events: list[tuple[str, int]] = []  # ("group", prompt) | ("barrier", tokens)
+        groups: list[GroupDone] = []
 
         async def on_group(msg: Msg) -> None:
-            events.append(("group", decode(msg.data, GroupDone).prompt_index))
+            groups.append(decode(msg.data, GroupDone))
+            events.append(("group", groups[-1].prompt_index))
 
         barrier: asyncio.Future[Barrier] = asyncio.get_running_loop().create_future()
 
@@ -126,6 +128,11 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
         assert sorted(p for kind, p in events if kind == "group") == list(range(PROMPTS))
         assert [kind for kind, _ in events][-1] == "barrier"
         assert sum(kind == "barrier" for kind, _ in events) == 1
+        # Each group's event carries its samples (spliced from the stored text) exactly as
+        # the trainer reads them from the ledger: ids, prompt and response tokens, instances.
+        for group in groups:
+            assert group.samples == [x for x in samples if x.prompt_index == group.prompt_index]
+            assert [x.sample_index for x in group.samples] == list(range(SAMPLES))
         frames = INSTANCES * LENGTH // FLUSH
         assert seen["max"] == 1 and 1 < seen["commits"] < frames, (seen, frames)
         # Everything acked: nothing of the step is left in the stream.
