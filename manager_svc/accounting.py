@@ -50,6 +50,7 @@ CREATE_BATCH = 512
 # Responses read by one script call: a reply stays a few MB even at reasoning lengths, and
 # Redis serves other clients between calls.
 READ_SLICE = 256
+STEP_KEYS = 1024  # step keys remembered by the commit's packing (a key per step, not entry)
 _json = msgspec.json.Encoder()
 
 
@@ -118,6 +119,7 @@ class Ledger:
         self._expired_leases = register(redis, "expired_leases.lua")
         # The commit script finds a step's sets by suffix; names.Keys stays the one definition.
         base = Keys.step("r", 0)
+        self._step_keys: dict[str, str] = {}  # "<run>:<step>" -> the step's key (_frame_arg)
         self._step_suffixes = [k.removeprefix(base) for k in (
             Keys.leased("r", 0), Keys.done("r", 0), Keys.pending("r", 0))]
 
@@ -247,13 +249,20 @@ class Ledger:
 
     def _frame_arg(self, frame: TokenFrame) -> bytes:
         entries = []
+        step_keys = self._step_keys
         for e in frame.entries:
-            run_id, step, _, _ = parse_request_id(e.request_id)
+            scope = e.request_id.rsplit(":", 2)[0]  # "<run>:<step>": one step key per step
+            skey = step_keys.get(scope)
+            if skey is None:
+                if len(step_keys) >= STEP_KEYS:
+                    step_keys.clear()
+                run_id, step, _, _ = parse_request_id(e.request_id)
+                skey = step_keys[scope] = Keys.step(run_id, step)
             # Epoch and tokens go as text: Lua numbers are doubles, and the lease check and
             # the stored response must see exactly the integers that were sent.
             entries.append([e.request_id, str(e.epoch), e.weight_version, e.offset,
                             len(e.token_ids), token_csv(e.token_ids), e.final,
-                            e.finish_reason or "", Keys.step(run_id, step)])
+                            e.finish_reason or "", skey])
         return _json.encode([frame.instance_id, frame.kind, entries])
 
     def pack(self, frames: list[TokenFrame]) -> list[Call]:

@@ -236,12 +236,12 @@ class ChunkIngest:
         all is terminated now, and a bad entry is counted and dropped alone."""
         frames: list[TokenFrame] = []
         entries = 0
+        vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size, for this slice
         while taken and entries < COMMIT_SLICE:
             msg = taken.popleft()
             try:
                 frame = decode(msg.data, TokenFrame)
-                runs = [names.parse_request_id(entry.request_id) for entry in frame.entries]
-            except (ProtocolError, ValueError) as exc:
+            except ProtocolError as exc:
                 self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
                 log.warning("dropped frame: %s", str(exc)[:200])
                 await self._term(msg)
@@ -254,10 +254,19 @@ class ChunkIngest:
             part.keep.append(msg)
             subject_run = msg.subject.split(".")[2]
             kept = []
-            for entry, (run_id, step, _, _) in zip(frame.entries, runs, strict=True):
+            for entry in frame.entries:
+                # The id's pattern was checked by decode: "<run>:<step>:<prompt>:<sample>",
+                # no colon in a run id. Split once here, not parsed whole per check.
+                scope = entry.request_id.rsplit(":", 2)[0]
+                run_id = scope.partition(":")[0]
                 if (why := self.auth.forged(frame, entry, run_id, subject_run)) is not None:
                     await self._reject(frame, entry, msg.subject, "forged", why)
-                elif (why := invalid(entry, await self._vocab_size(run_id, step))) is not None:
+                    continue
+                size = vocab.get(scope)
+                if size is None:
+                    size = vocab[scope] = await self._vocab_size(
+                        run_id, int(scope.partition(":")[2]))
+                if (why := invalid(entry, size)) is not None:
                     await self._reject(frame, entry, msg.subject, "invalid", why)
                 else:
                     kept.append(entry)
