@@ -77,11 +77,13 @@ class ChunkAuth:
         return None
 
 
-def invalid(entry: FrameEntry, vocab_size: int) -> str | None:
-    """Why ``entry`` cannot be committed whoever sent it; None if it can be considered."""
+def invalid(entry: FrameEntry, vocab_size: int, tokens_checked: bool = False) -> str | None:
+    """Why ``entry`` cannot be committed whoever sent it; None if it can be considered.
+    ``tokens_checked``: its token ids were decoded within this vocabulary
+    (:func:`~shared.protocol.decode_frame`)."""
     if entry.offset < 0:
         return f"negative offset {entry.offset}"
-    if entry.token_ids and (min(entry.token_ids) < 0 or (
+    if not tokens_checked and entry.token_ids and (min(entry.token_ids) < 0 or (
             vocab_size > 0 and max(entry.token_ids) >= vocab_size)):
         return f"token id outside the vocabulary of {vocab_size}"
     return None

@@ -48,6 +48,7 @@ from shared.protocol import (
     FrameEntry,
     TokenFrame,
     decode,
+    decode_frame,
 )
 
 log = logging.getLogger("manager")
@@ -128,6 +129,7 @@ class ChunkIngest:
         self.soft = soft
         self.auth = auth
         self._vocab: dict[str, int] = {}  # step key -> the run's vocabulary size (0: unknown)
+        self._run_vocab: dict[str, int] = {}  # run id -> the vocabulary its frames decode with
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self._in_flight = 0  # frames pulled and not yet acked or terminated
         self.announcer = Announcer(redis, nc, ledger, runs, metrics, soft)
@@ -239,20 +241,30 @@ class ChunkIngest:
         vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size, for this slice
         while taken and entries < COMMIT_SLICE:
             msg = taken.popleft()
+            subject_run = msg.subject.split(".")[2]
+            # Token ids are range-checked by the decoder, against the vocabulary this run's
+            # last frame was checked against; a frame that fails is decoded again plainly,
+            # which tells a malformed frame from entries outside the vocabulary.
+            bound = self._run_vocab.get(subject_run)
             try:
-                frame = decode(msg.data, TokenFrame)
-            except ProtocolError as exc:
-                self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
-                log.warning("dropped frame: %s", str(exc)[:200])
-                await self._term(msg)
-                continue
+                frame = decode_frame(msg.data, bound) if bound is not None else None
+            except ProtocolError:
+                frame = None
+            if frame is None:
+                bound = None
+                try:
+                    frame = decode(msg.data, TokenFrame)
+                except ProtocolError as exc:
+                    self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
+                    log.warning("dropped frame: %s", str(exc)[:200])
+                    await self._term(msg)
+                    continue
             if (why := self.auth.forged_frame(frame, msg.subject)) is not None:
                 for entry in frame.entries:
                     await self._reject(frame, entry, msg.subject, "forged", why)
                 await self._term(msg)
                 continue
             part.keep.append(msg)
-            subject_run = msg.subject.split(".")[2]
             kept = []
             for entry in frame.entries:
                 # The id's pattern was checked by decode: "<run>:<step>:<prompt>:<sample>",
@@ -266,7 +278,10 @@ class ChunkIngest:
                 if size is None:
                     size = vocab[scope] = await self._vocab_size(
                         run_id, int(scope.partition(":")[2]))
-                if (why := invalid(entry, size)) is not None:
+                    if len(self._run_vocab) >= CACHE_SIZE:
+                        self._run_vocab.clear()
+                    self._run_vocab[run_id] = size
+                if (why := invalid(entry, size, tokens_checked=size == bound)) is not None:
                     await self._reject(frame, entry, msg.subject, "invalid", why)
                 else:
                     kept.append(entry)

@@ -15,6 +15,7 @@ names, defaults and bounds are written once. Each boundary decodes it with :func
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from typing import Annotated, Any, Literal, TypeVar
@@ -483,6 +484,30 @@ def decode(data: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(kind.__name__, str(exc)) from exc
+
+
+@functools.lru_cache(maxsize=16)
+def _frame_decoder(vocab_size: int) -> msgspec.json.Decoder[TokenFrame]:
+    token = Annotated[int, msgspec.Meta(ge=0, lt=vocab_size) if vocab_size > 0
+                      else msgspec.Meta(ge=0)]
+    entry = type("FrameEntry", (FrameEntry,), {"__annotations__": {"token_ids": list[token]}})
+    entries = Annotated[list[entry], msgspec.Meta(min_length=1,  # type: ignore[valid-type]
+                                                  max_length=FRAME_ENTRIES)]
+    frame = type("TokenFrame", (TokenFrame,), {"__annotations__": {"entries": entries}},
+                 tag="TokenFrame")
+    return msgspec.json.Decoder(frame)
+
+
+def decode_frame(data: bytes, vocab_size: int) -> TokenFrame:
+    """``data`` as a :class:`TokenFrame` whose every token id is in [0, vocab_size) (a
+    vocabulary of 0: any id >= 0), checked by the decoder itself: a min() and a max() over
+    each entry's ids was ~1.9 us of the manager's ~10 us an entry. Anything else, an id
+    outside included, is a :class:`ProtocolError`: decode it with :func:`decode` to tell the
+    one from the other."""
+    try:
+        return _frame_decoder(vocab_size).decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(TokenFrame.__name__, str(exc)) from exc
 
 
 def decode_command(data: bytes) -> Assign | Revoke:
