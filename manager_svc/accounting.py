@@ -247,10 +247,10 @@ class Ledger:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    def _frame_arg(self, frame: TokenFrame) -> bytes:
+    def _frame_arg(self, frame: TokenFrame, texts: list[bytes] | None) -> bytes:
         entries = []
         step_keys = self._step_keys
-        for e in frame.entries:
+        for i, e in enumerate(frame.entries):
             scope = e.request_id.rsplit(":", 2)[0]  # "<run>:<step>": one step key per step
             skey = step_keys.get(scope)
             if skey is None:
@@ -260,19 +260,24 @@ class Ledger:
                 skey = step_keys[scope] = Keys.step(run_id, step)
             # Epoch and tokens go as text: Lua numbers are doubles, and the lease check and
             # the stored response must see exactly the integers that were sent.
+            # The CSV as a JSON string spliced from the ids' JSON array (digits and commas
+            # need no escaping) where ingest encoded it already for the entry's MAC.
+            csv = token_csv(e.token_ids) if texts is None else msgspec.Raw(
+                b'"' + texts[i][1:-1] + b'"')
             entries.append([e.request_id, str(e.epoch), e.weight_version, e.offset,
-                            len(e.token_ids), token_csv(e.token_ids), e.final,
-                            e.finish_reason or "", skey])
+                            len(e.token_ids), csv, e.final, e.finish_reason or "", skey])
         return _json.encode([frame.instance_id, frame.kind, entries])
 
-    def pack(self, frames: list[TokenFrame]) -> list[Call]:
+    def pack(self, frames: list[TokenFrame], texts: list[list[bytes]] | None = None
+             ) -> list[Call]:
         """The commit script's calls for ``frames``, in order: one per COMMIT_SLICE entries,
         and a new one where the run changes (a call reaches the keys of one run: one slot of
-        a Redis Cluster). Every entry of a frame is of the run of its subject (ingest)."""
+        a Redis Cluster). Every entry of a frame is of the run of its subject (ingest).
+        ``texts``: per frame, :func:`~shared.protocol.token_json` of each entry's ids."""
         head: list[str | bytes | float] = [time.time(), *self._step_suffixes]
         calls: list[Call] = []
         args, size, run_id = list(head), 0, ""
-        for frame in frames:
+        for n, frame in enumerate(frames):
             if not frame.entries:
                 continue
             frame_run = parse_request_id(frame.entries[0].request_id)[0]
@@ -280,7 +285,7 @@ class Ledger:
                 calls.append(Call(self._commit, [Keys.run(run_id)], args))
                 args, size = list(head), 0
             run_id = frame_run
-            args.append(self._frame_arg(frame))
+            args.append(self._frame_arg(frame, None if texts is None else texts[n]))
             size += len(frame.entries)
         if size:
             calls.append(Call(self._commit, [Keys.run(run_id)], args))

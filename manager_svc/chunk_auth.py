@@ -63,14 +63,15 @@ class ChunkAuth:
             return "instance differs from its subject"
         return None
 
-    def forged(self, frame: TokenFrame, entry: FrameEntry, entry_run: str, subject_run: str
-               ) -> str | None:
+    def forged(self, frame: TokenFrame, entry: FrameEntry, entry_run: str, subject_run: str,
+               tokens: bytes | None = None) -> str | None:
         """Why ``entry`` of ``frame`` is not from its lease holder; None if it is.
-        ``entry_run`` is its request id's run, ``subject_run`` the run its subject names."""
+        ``entry_run`` is its request id's run, ``subject_run`` the run its subject names;
+        ``tokens``, where the caller has it, :func:`~shared.protocol.token_json` of its ids."""
         if entry_run != subject_run:
             return "run differs from its subject"
         expected = entry_digest(self._key(entry.request_id, entry.epoch), frame.instance_id,
-                                entry).hex().encode()
+                                entry, tokens).hex().encode()
         # surrogatepass: a MAC is whatever text the wire carried, lone surrogates included
         if not hmac.compare_digest(entry.mac.encode("utf-8", "surrogatepass"), expected):
             return "bad MAC"

@@ -49,6 +49,7 @@ from shared.protocol import (
     TokenFrame,
     decode,
     decode_frame,
+    token_json,
 )
 
 log = logging.getLogger("manager")
@@ -237,6 +238,7 @@ class ChunkIngest:
         COMMIT_SLICE entries (one script call) at a time; a frame that cannot be committed at
         all is terminated now, and a bad entry is counted and dropped alone."""
         frames: list[TokenFrame] = []
+        texts: list[list[bytes]] = []  # per frame kept, each entry's ids as JSON (token_json)
         entries = 0
         vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size, for this slice
         while taken and entries < COMMIT_SLICE:
@@ -265,13 +267,15 @@ class ChunkIngest:
                 await self._term(msg)
                 continue
             part.keep.append(msg)
-            kept = []
+            kept, kept_texts = [], []
             for entry in frame.entries:
                 # The id's pattern was checked by decode: "<run>:<step>:<prompt>:<sample>",
                 # no colon in a run id. Split once here, not parsed whole per check.
                 scope = entry.request_id.rsplit(":", 2)[0]
                 run_id = scope.partition(":")[0]
-                if (why := self.auth.forged(frame, entry, run_id, subject_run)) is not None:
+                tokens = token_json(entry.token_ids)
+                if (why := self.auth.forged(frame, entry, run_id, subject_run,
+                                            tokens)) is not None:
                     await self._reject(frame, entry, msg.subject, "forged", why)
                     continue
                 size = vocab.get(scope)
@@ -285,13 +289,15 @@ class ChunkIngest:
                     await self._reject(frame, entry, msg.subject, "invalid", why)
                 else:
                     kept.append(entry)
+                    kept_texts.append(tokens)
             if kept:
                 frame.entries = kept
                 frames.append(frame)
+                texts.append(kept_texts)
                 entries += len(kept)
         part.frames += frames
         part.entries += entries
-        part.calls += self.ledger.pack(frames)
+        part.calls += self.ledger.pack(frames, texts)
 
     async def _term(self, msg: NatsMsg) -> None:
         await msg.term()
