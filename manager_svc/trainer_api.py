@@ -21,7 +21,8 @@ from manager_svc.accounting import Ledger
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.placement import spot_count
 from manager_svc.registry import Registry
-from manager_svc.runs import LIVE_COUNTERS, RunStore
+from manager_svc.run_history import LIVE_COUNTERS
+from manager_svc.runs import RunStore
 from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe
 from manager_svc.soft_state import SoftState
 from shared.names import Keys
