@@ -93,7 +93,7 @@ async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
         paused.signal(signal.SIGCONT)
         t0 = time.perf_counter()
     t_end, done = await asyncio.wait_for(barrier, 300)
-    await step.finish()
+    await step.finish(pubs)
     # Exactly once, checked: every response equals the oracle, no chunk was dropped or fenced.
     by_rid: dict[str, list[int]] = {}
     for _, data in chain.from_iterable(msgs):
@@ -220,6 +220,12 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0
 def part_ingest(root: Path) -> dict[str, Any]:
     stack = Stack.create(root / "brokers")
     stack.start()
+    with redis.Redis.from_url(stack.redis.url) as r:
+        # Redis rewrites its AOF (a fork writing the whole dataset) each time the file has
+        # doubled: here every few passes (58 -> 36 MB between drain4 and live16), and on two
+        # cores that slowed whichever pass it landed in. The passes are compared with each
+        # other, so none of them gets one.
+        r.config_set("auto-aof-rewrite-percentage", 0)
     url = f"http://127.0.0.1:{free_port()}"
     # Leases and instances outlive the paused seconds of the drain pass (config, not code).
     env = {**stack.env(), "RLBOOST_MANAGER_URL": url, "RLBOOST_DATA_DIR": str(root / "data"),
@@ -381,12 +387,12 @@ async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int, manager_pid: in
     try:
         t_end, done = await asyncio.wait_for(step.barrier, 120)
     except TimeoutError:  # reported, not raised: the other figures still stand
-        await step.finish()
+        await step.finish(pubs)
         return {"stalled": True, "lost": sum(p.lost for p in pubs)}
     beats, cpu = sum(p.beats for p in pubs), cpu_seconds(manager_pid)
     await asyncio.sleep(BEAT_WINDOW_S)
     beats, cpu = sum(p.beats for p in pubs) - beats, cpu_seconds(manager_pid) - cpu
-    await step.finish()
+    await step.finish(pubs)
     # Assignment latency: trainer's start -> the instance's Assign on the bus, by the probe.
     assign = [arrived[p.iid] - step.started_wall for p in pubs]
     seen = max(p.assigned_at - step.started for p in pubs)  # by the emulated instances

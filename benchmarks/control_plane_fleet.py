@@ -163,7 +163,13 @@ class Step:
             await asyncio.sleep(0.01)
         return pubs
 
-    async def finish(self) -> None:
+    async def finish(self, pubs: list[Publisher]) -> None:
+        """Stop beating, cancel the run (no trainer will finish it), and leave, as a rollout
+        instance leaves when it stops: left to expire, each pass's 32 instances stayed
+        registered for the instance TTL, and every later pass's dispatch read them all."""
         self.stop.set()
         await asyncio.gather(*self.beats)
-        await self.http.post(f"/v1/runs/{self.run_id}/cancel")  # no trainer will finish it
+        await self.http.post(f"/v1/runs/{self.run_id}/cancel")
+        for p in pubs:
+            await request(self.nc, names.release_subject(p.iid), wire.Release(
+                instance_id=p.iid, held=[], session=p.session), wire.Ack, 10.0)
