@@ -63,7 +63,7 @@ bench-seeding: venv
 	$(BIN)/python -m benchmarks.seeding
 
 .PHONY: bench-control-plane
-# Manager ingest vs raw NATS, and 32 emu instances vs the ideal schedule
+# Manager ingest vs raw NATS and the Redis-only bound; overhead at 32/128 instances (~5 min)
 bench-control-plane: venv
 	$(BIN)/python -m benchmarks.control_plane
 
