@@ -129,7 +129,7 @@ class ChunkIngest:
         self.metrics = metrics
         self.soft = soft
         self.auth = auth
-        self._vocab: dict[str, int] = {}  # step key -> the run's vocabulary size (0: unknown)
+        self._vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size (0: unknown)
         self._run_vocab: dict[str, int] = {}  # run id -> the vocabulary its frames decode with
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self._in_flight = 0  # frames pulled and not yet acked or terminated
@@ -240,7 +240,6 @@ class ChunkIngest:
         frames: list[TokenFrame] = []
         texts: list[list[bytes]] = []  # per frame kept, each entry's ids as JSON (token_json)
         entries = 0
-        vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size, for this slice
         while taken and entries < COMMIT_SLICE:
             msg = taken.popleft()
             subject_run = msg.subject.split(".")[2]
@@ -278,14 +277,15 @@ class ChunkIngest:
                                             tokens)) is not None:
                     await self._reject(frame, entry, msg.subject, "forged", why)
                     continue
-                size = vocab.get(scope)
+                size = self._vocab.get(scope)
                 if size is None:
-                    size = vocab[scope] = await self._vocab_size(
-                        run_id, int(scope.partition(":")[2]))
+                    size = await self._vocab_size(scope)
+                checked = size == bound
+                if not checked:  # the run's next frames decode with this vocabulary
                     if len(self._run_vocab) >= CACHE_SIZE:
                         self._run_vocab.clear()
                     self._run_vocab[run_id] = size
-                if (why := invalid(entry, size, tokens_checked=size == bound)) is not None:
+                if (why := invalid(entry, size, tokens_checked=checked)) is not None:
                     await self._reject(frame, entry, msg.subject, "invalid", why)
                 else:
                     kept.append(entry)
@@ -329,16 +329,14 @@ class ChunkIngest:
         if await self.redis.exists(skey):  # never a key for a step that does not exist
             await self.redis.hincrby(skey, counter, 1)
 
-    async def _vocab_size(self, run_id: str, step: int) -> int:
-        skey = Keys.step(run_id, step)
-        size = self._vocab.get(skey)
-        if size is None:
-            stored = await self.redis.hget(skey, "vocab")
-            size = int(stored or 0)
-            if len(self._vocab) >= CACHE_SIZE:
-                self._vocab.clear()
-            # Written with the step's creation, so once there it is final, 0 (not checked)
-            # included: not caching 0 cost a Redis round trip per entry of such runs.
-            if stored is not None:
-                self._vocab[skey] = size
-        return size
+    async def _vocab_size(self, scope: str) -> int:
+        """The vocabulary size of step ``scope`` ("<run>:<step>"), read once per step."""
+        run_id, _, step = scope.partition(":")
+        stored = await self.redis.hget(Keys.step(run_id, int(step)), "vocab")
+        if len(self._vocab) >= CACHE_SIZE:
+            self._vocab.clear()
+        # Written with the step's creation, so once there it is final, 0 (not checked)
+        # included: not caching 0 cost a Redis round trip per entry of such runs.
+        if stored is not None:
+            self._vocab[scope] = int(stored)
+        return int(stored or 0)
