@@ -220,8 +220,9 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0
     finally:
         gc.enable()
     # Gone again, as the manager's passes are once their run ends.
-    async for key in r.scan_iter(match=f"*{{{run}}}*", count=1000):
-        await r.unlink(key)
+    keys = [key async for key in r.scan_iter(match=f"*{{{run}}}*", count=1000)]
+    for i in range(0, len(keys), 1000):
+        await r.unlink(*keys[i:i + 1000])
     await r.aclose()
     statuses = Counter(res.status for res in results)
     committed = sum(statuses[s] for s in ("ok", "final", "group", "step"))
