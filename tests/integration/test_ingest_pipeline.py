@@ -10,8 +10,10 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import pytest
 from nats.aio.msg import Msg
 
+from manager_svc import announce
 from manager_svc.accounting import CommitResult, Ledger
 from manager_svc.archive import Archive
 from manager_svc.chunk_auth import ChunkAuth
@@ -42,8 +44,13 @@ def tokens_of(p: int, s: int) -> list[int]:
     return [(7 * p + 3 * s + k) % 1000 for k in range(LENGTH)]
 
 
+# Held: a response that completes before its group is read then and held for the group's
+# event; not held (no room for any): every response is read when its group completes.
+@pytest.mark.parametrize("hold_bytes", [announce.FINISHED_BYTES, 0], ids=["held", "not-held"])
 async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
-        brokers: Stack, tmp_path: Path) -> None:
+        brokers: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hold_bytes: int
+) -> None:
+    monkeypatch.setattr(announce, "FINISHED_BYTES", hold_bytes)
     redis = await connect_redis(brokers.redis.url)
     nc = await connect_nats(brokers.nats.url, "test-ingest")
     task: asyncio.Task[None] | None = None
@@ -111,6 +118,13 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
                 flight[0] -= 1
         ledger.run_calls = watched  # type: ignore[method-assign]
         ingest = ChunkIngest(redis, nc, ledger, runs, ManagerMetrics(), SoftState(), auth)
+        took, take = [0], ingest.announcer._take_finished
+
+        def counted(rid: str) -> announce.Held | None:
+            got = take(rid)
+            took[0] += got is not None
+            return got
+        ingest.announcer._take_finished = counted  # type: ignore[method-assign]
         task = asyncio.create_task(ingest.consume())
         done = await asyncio.wait_for(barrier, 60)
         await nc.flush()
@@ -135,6 +149,10 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
             assert [x.sample_index for x in group.samples] == list(range(SAMPLES))
         frames = INSTANCES * LENGTH // FLUSH
         assert seen["max"] == 1 and 1 < seen["commits"] < frames, (seen, frames)
+        # Samples came from what was held exactly when there was room to hold them, and
+        # nothing stays held once the step's barrier is made.
+        assert (took[0] > 0) == (hold_bytes > 0), took
+        assert ingest.announcer._finished_bytes == 0
         # Everything acked: nothing of the step is left in the stream.
         assert (await js.stream_info(names.CHUNK_STREAM)).state.messages == 0
     finally:
