@@ -46,8 +46,8 @@ log = logging.getLogger("manager")
 CACHE_SIZE = 64  # runs whose spec, and steps whose barrier count, are remembered
 ROW_STEPS = 4  # steps whose announced responses' digest parts are kept for their barrier
 # Complete responses held for their group's event, read when they end rather than when the
-# group does. At most this much text (a 2 M-token step is ~10 MB): past it, a group reads
-# the rest when it completes, as every group did.
+# group does. No part's are read once this much text is held (a 2 M-token step is ~10 MB), so
+# it is passed by one part's at most; what is not held, a group reads when it completes.
 FINISHED_BYTES = 128 << 20
 Group = tuple[str, int, int]  # run id, step, prompt index
 StepKey = tuple[str, int]
