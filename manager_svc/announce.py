@@ -195,9 +195,11 @@ class Announcer:
             spec = await self._spec(group[0])
             if spec is not None:  # else the run's record is gone: nobody trains the group
                 wanted.append((group, spec.samples_per_prompt))
-        rids = [request_id(*group, s) for group, n in wanted for s in range(n)]
-        got = {rid: held for rid in rids if (held := self._take_finished(rid)) is not None}
-        missing = [rid for rid in rids if rid not in got]
+        members = [((run_id, step), request_id(run_id, step, prompt, s))
+                   for (run_id, step, prompt), n in wanted for s in range(n)]
+        got = {rid: held for key, rid in members
+               if (held := self._take_finished(key, rid)) is not None}
+        missing = [rid for _, rid in members if rid not in got]
         for rid, row in zip(missing, await self.ledger.rows(missing), strict=True):
             got[rid] = (_stored_sample(rid, row), stored_digest(row), 0)
         for (run_id, step, prompt), n in wanted:
@@ -236,9 +238,8 @@ class Announcer:
             held[rid] = (_stored_sample(rid, row), stored_digest(row), size)
             self._finished_bytes += size
 
-    def _take_finished(self, rid: str) -> Held | None:
-        run_id, step, _, _ = names.parse_request_id(rid)
-        got = self._finished.get((run_id, step), {}).pop(rid, None)
+    def _take_finished(self, key: StepKey, rid: str) -> Held | None:
+        got = self._finished.get(key, {}).pop(rid, None)
         if got is not None:
             self._finished_bytes -= got[2]
         return got

@@ -120,8 +120,8 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
         ingest = ChunkIngest(redis, nc, ledger, runs, ManagerMetrics(), SoftState(), auth)
         took, take = [0], ingest.announcer._take_finished
 
-        def counted(rid: str) -> announce.Held | None:
-            got = take(rid)
+        def counted(key: announce.StepKey, rid: str) -> announce.Held | None:
+            got = take(key, rid)
             took[0] += got is not None
             return got
         ingest.announcer._take_finished = counted  # type: ignore[method-assign]
