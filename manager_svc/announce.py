@@ -49,6 +49,9 @@ ROW_STEPS = 4  # steps whose announced responses' digest parts are kept for thei
 # group does. No part's are read once this much text is held (a 2 M-token step is ~10 MB), so
 # it is passed by one part's at most; what is not held, a group reads when it completes.
 FINISHED_BYTES = 128 << 20
+# Group events made and published between yields to the event loop (~0.1 ms each): the
+# commit in flight waits for its answer to be read, and Redis for the next commit, meanwhile.
+GROUPS_PER_YIELD = 8
 Group = tuple[str, int, int]  # run id, step, prompt index
 StepKey = tuple[str, int]
 
@@ -202,7 +205,9 @@ class Announcer:
         missing = [rid for _, rid in members if rid not in got]
         for rid, row in zip(missing, await self.ledger.rows(missing), strict=True):
             got[rid] = (_stored_sample(rid, row), stored_digest(row), 0)
-        for (run_id, step, prompt), n in wanted:
+        for i, ((run_id, step, prompt), n) in enumerate(wanted, 1):
+            if not i % GROUPS_PER_YIELD:
+                await asyncio.sleep(0)  # the commit in flight's answer goes first
             known = self._known_rows(run_id, step)
             samples = []
             for s in range(n):  # in sample order, as the trainer's digest lists them
