@@ -84,7 +84,11 @@ async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
     step = Step(nc, http, tag, PUBLISHERS, PUBLISHERS, int(INGEST_SPEC["max_new_tokens"]))
     pubs = await step.start()
     run_id, barrier, total = step.run_id, step.barrier, step.total
-    msgs = [p.messages(EmuEngine(time_scale=0.0), flush) for p in pubs]
+    # In a thread, so the fleet's heartbeats go on at their own phases meanwhile: the ~1 s of
+    # this loop it took held every instance's next beat, and all 32 then came at once, queued
+    # for the resumed manager in front of the first commit (~25 ms of a drained step).
+    msgs = await asyncio.to_thread(
+        lambda: [p.messages(EmuEngine(time_scale=0.0), flush) for p in pubs])
     if paused is not None:
         paused.signal(signal.SIGSTOP)
     t0 = time.perf_counter()
