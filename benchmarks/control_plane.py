@@ -54,8 +54,10 @@ from benchmarks.control_plane_fleet import (
     prompts,
 )
 from benchmarks.control_plane_report import KINDS, report
-from manager_svc.accounting import Ledger
-from manager_svc.ingest import GROUP_MAX
+from manager_svc.accounting import Ledger, commit_statuses
+from manager_svc.commit_stream import CommitStream
+from manager_svc.ingest import GROUP_MAX, PIPELINED
+from manager_svc.scripts import Call
 from rlboost.launcher import Child, Cluster
 from rollout_svc.engines.emu import EmuEngine
 from shared import names
@@ -177,12 +179,14 @@ async def probe(url: str, count: int) -> None:
     await nc.close()
 
 
-async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0
-                      ) -> dict[str, Any]:
+async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
+                      pipelined: bool = True) -> dict[str, Any]:
     """The same frames' commit scripts back to back on a fresh step (each response leased to
     the instance that sent it), in stream order and in the largest commits the manager makes
-    (GROUP_MAX entries), one round trip at a time as ingest does; arguments packed before the
-    clock starts.
+    (GROUP_MAX entries), sent as ingest sends them: on a commit stream, the next commit queued
+    in Redis behind the one running (PIPELINED in flight), or with ``pipelined`` False (and
+    with replica acks, as ingest then does) one round trip at a time; arguments packed before
+    the clock starts.
     No NATS, no manager, no MAC checks: what Redis alone allows."""
     r = await connect_redis(url)
     ledger = Ledger(r, lease_ttl_s=600, replica_acks=replica_acks)
@@ -215,23 +219,44 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0
     calls = [ledger.pack(batch) for batch in batches]
     # This process holds every frame of the pass: a full collection of it (~80 ms) landed in
     # one timed pass of three, and Redis waited for it, idle.
+    stream = CommitStream(r) if pipelined and CommitStream.usable(r, replica_acks) else None
+    if stream is not None:  # connected, its script loaded, before the clock starts
+        await stream.ready(calls[0])
     gc.collect()
     gc.disable()
     try:
         t0 = time.perf_counter()
-        results = [res for call in calls for res in await ledger.run_commits(call)]
+        if stream is None:
+            results = [res for call in calls
+                       for res in commit_statuses(await ledger.run_replies(call))]
+        else:
+            results = await pipelined_commits(stream, ledger, calls)
         seconds = time.perf_counter() - t0
     finally:
         gc.enable()
+    if stream is not None:
+        await stream.close()
     # Gone again, as the manager's passes are once their run ends.
     keys = [key async for key in r.scan_iter(match=f"*{{{run}}}*", count=1000)]
     for i in range(0, len(keys), 1000):
         await r.unlink(*keys[i:i + 1000])
     await r.aclose()
-    statuses = Counter(res.status for res in results)
+    statuses = Counter(results)
     committed = sum(statuses[s] for s in ("ok", "final", "group", "step"))
     return {"seconds": seconds, "all_committed": committed == len(results), "statuses": statuses,
             "tokens": sum(len(e.token_ids) for f in frames for e in f.entries)}
+
+
+async def pipelined_commits(stream: CommitStream, ledger: Ledger, batches: list[list[Call]]
+                            ) -> list[str]:
+    """``batches`` committed in order on ``stream``, at most PIPELINED in flight."""
+    sent: list[asyncio.Future[list[Any]]] = []
+    for calls in batches:
+        if len(sent) >= PIPELINED:
+            await sent[-PIPELINED]
+        sent.append(asyncio.ensure_future(
+            stream.commit(calls, sent[-1] if sent else None, ledger.run_replies)))
+    return [res for done in sent for res in commit_statuses(await done)]
 
 
 async def rewrite_aof(url: str) -> None:
@@ -345,7 +370,8 @@ async def replica_acks(stack: Stack, root: Path, msgs: list[list[Frame]]
         follower.close()
         runs: dict[str, list[dict[str, Any]]] = {"unacked": [], "acked": []}
         for _ in range(REPEATS):
-            runs["unacked"].append(await redis_bound(stack.redis.url, msgs))
+            # One round trip at a time, both: a replica-acked batch is never pipelined.
+            runs["unacked"].append(await redis_bound(stack.redis.url, msgs, pipelined=False))
             runs["acked"].append(await redis_bound(stack.redis.url, msgs, replica_acks=1))
         return {"flush": max(FLUSHES), **runs}
     finally:

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 from redis.exceptions import RedisError
 
-from manager_svc.accounting import CommitResult, Ledger, Row, stored_digest
+from manager_svc.accounting import Ledger, Row, stored_digest
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -129,14 +129,14 @@ class Announcer:
         self._parts.add(part)
         part.add_done_callback(self._parts.discard)
 
-    def tally(self, frames: list[TokenFrame], results: Iterator[CommitResult]) -> Tally:
-        """Count a committed part's results (one result per entry, in order) and take back
+    def tally(self, frames: list[TokenFrame], statuses: Iterator[str]) -> Tally:
+        """Count a committed part's results (one status per entry, in order) and take back
         what was revoked."""
         # Counted once per part, not per entry: a labelled counter costs microseconds a call.
         t = Tally()
         for frame in frames:
             for entry in frame.entries:
-                status = next(results).status
+                status = next(statuses)
                 t.statuses[status] += 1
                 if status in ("ok", "final", "group", "step"):
                     t.tokens += len(entry.token_ids)

@@ -1,23 +1,27 @@
 """Group commit against real NATS JetStream and Redis: ingest checks the next frames while a
-commit runs and sends them together once it has answered. A backlog of many small frames per
-response (the order a pipeline could break) must still commit in stream order, every token
-once, with every group announced before its step's barrier, whose digest (hashed from what the
-group announcements read) equals the one computed over the stored responses."""
+commit runs and sends them together, on a commit stream behind the one in flight (pipelined),
+or once it has answered (one at a time, as on a cluster or with replica acks). A backlog of
+many small frames per response (the order a pipeline could break) must still commit in stream
+order, every token once, with every group announced before its step's barrier, whose digest
+(hashed from what the group announcements read) equals the one computed over the stored
+responses."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
 
 from manager_svc import announce
-from manager_svc.accounting import CommitResult, Ledger
+from manager_svc.accounting import Ledger
 from manager_svc.archive import Archive
 from manager_svc.chunk_auth import ChunkAuth
-from manager_svc.ingest import ChunkIngest
+from manager_svc.ingest import PIPELINED, ChunkIngest
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -47,9 +51,10 @@ def tokens_of(p: int, s: int) -> list[int]:
 # Held: a response that completes before its group is read then and held for the group's
 # event; not held (no room for any): every response is read when its group completes.
 @pytest.mark.parametrize("hold_bytes", [announce.FINISHED_BYTES, 0], ids=["held", "not-held"])
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "one-at-a-time"])
 async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
-        brokers: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hold_bytes: int
-) -> None:
+        brokers: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hold_bytes: int,
+        pipelined: bool) -> None:
     monkeypatch.setattr(announce, "FINISHED_BYTES", hold_bytes)
     redis = await connect_redis(brokers.redis.url)
     nc = await connect_nats(brokers.nats.url, "test-ingest")
@@ -102,22 +107,31 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
                 await js.publish(names.chunk_subject(run_id, iid),
                                  encode(TokenFrame(instance_id=iid, entries=entries)))
 
-        # Commits watched: never two at once (stream order), and fewer than the frames (what
-        # queued behind a commit went in the next one). Each is slowed, so that a pipeline
-        # sending the next commit early would overlap it.
-        run_calls, flight, seen = ledger.run_calls, [0], {"max": 0, "commits": 0}
-
-        async def watched(calls: list[list[str | bytes | float]], wait_for_redis: bool = False
-                          ) -> list[CommitResult]:
-            flight[0] += 1
-            seen["max"], seen["commits"] = max(seen["max"], flight[0]), seen["commits"] + 1
-            try:
-                await asyncio.sleep(0.05)
-                return await run_calls(calls, wait_for_redis)
-            finally:
-                flight[0] -= 1
-        ledger.run_calls = watched  # type: ignore[method-assign]
         ingest = ChunkIngest(redis, nc, ledger, runs, ManagerMetrics(), SoftState(), auth)
+        assert ingest.stream is not None  # a plain client, no replica acks
+        if not pipelined:
+            ingest.stream = None
+        # Commits watched: at most PIPELINED at once, or one, and fewer than the frames (what
+        # queued behind a commit went in the next one). Each answer is held back once Redis
+        # has run it, so the next commit goes while one is in flight wherever it may.
+        flight, seen = [0], {"max": 0, "commits": 0}
+
+        def watched(commit: Callable[..., Awaitable[list[Any]]]
+                    ) -> Callable[..., Awaitable[list[Any]]]:
+            async def watch(*args: Any, **kwargs: Any) -> list[Any]:
+                flight[0] += 1
+                seen["max"], seen["commits"] = max(seen["max"], flight[0]), seen["commits"] + 1
+                try:
+                    got = await commit(*args, **kwargs)
+                    await asyncio.sleep(0.05)
+                    return got
+                finally:
+                    flight[0] -= 1
+            return watch
+        if ingest.stream is not None:
+            monkeypatch.setattr(ingest.stream, "commit", watched(ingest.stream.commit))
+        else:
+            monkeypatch.setattr(ledger, "run_replies", watched(ledger.run_replies))
         took, take = [0], ingest.announcer._take_finished
 
         def counted(key: announce.StepKey, rid: str) -> announce.Held | None:
@@ -148,7 +162,8 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
             assert group.samples == [x for x in samples if x.prompt_index == group.prompt_index]
             assert [x.sample_index for x in group.samples] == list(range(SAMPLES))
         frames = INSTANCES * LENGTH // FLUSH
-        assert seen["max"] == 1 and 1 < seen["commits"] < frames, (seen, frames)
+        assert seen["max"] == (PIPELINED if pipelined else 1), seen
+        assert 1 < seen["commits"] < frames, (seen, frames)
         # Samples came from what was held exactly when there was room to hold them, and
         # nothing stays held once the step's barrier is made.
         assert (took[0] > 0) == (hold_bytes > 0), took
