@@ -69,9 +69,10 @@ from shared.stack import Server, Stack, child_env, free_port
 
 RAW = "bench.raw"  # the baseline's subject: outside the chunk stream's
 REPEATS = 3  # passes of each kind per flush interval; the median is reported, and the range
-# Flush intervals measured: rollout's default, 16, and 64, the one the goal is at. Waste per
-# preempted response stays within one flush at any of them (bench-preempt --chunk-tokens 64);
-# for reasoning responses of thousands of tokens, 64 lost to a SIGKILL is under 2 %.
+# Flush intervals measured: rollout's default, 16 and 64. Waste per preempted response stays
+# within one flush at any of them (bench-preempt --chunk-tokens N), so the goals hold if the
+# rate and the bound ratio hold together at one of them (the report names which); for
+# reasoning responses of thousands of tokens, even 64 lost to a SIGKILL is under 2 %.
 FLUSHES = (4, 16, 64)
 # Part 2: instances, responses each, flush interval, max_new_tokens (kept at 512, so its
 # modelled step is as short as before: the overhead is a larger share of a short step).

@@ -244,10 +244,11 @@ class Ledger:
 
     async def run_calls(self, calls: list[Call],
                         wait_for_redis: bool = False) -> list[CommitResult]:
-        """:meth:`run_commits` of calls :meth:`pack` made. With ``wait_for_redis`` an outage
-        is waited out, never skipped: the stream holds later frames behind these, so every
-        offset stays in sequence. The calls are then sent again; their executed part reads as
-        duplicates, as a lost reply to one commit does."""
+        """Run the calls :meth:`pack` made in one round trip (as the benchmark's Redis-only
+        bound does one at a time, with no NATS and no manager in front of it). With
+        ``wait_for_redis`` an outage is waited out, never skipped: the stream holds later
+        frames behind these, so every offset stays in sequence. The calls are then sent
+        again; their executed part reads as duplicates, as a lost reply to one commit does."""
         return commit_results(await self.run_replies(calls, wait_for_redis))
 
     async def run_replies(self, calls: list[Call], wait_for_redis: bool = False) -> list[Any]:
@@ -306,11 +307,6 @@ class Ledger:
         if size:
             calls.append(Call(self._commit, [Keys.run(run_id)], args))
         return calls
-
-    async def run_commits(self, calls: list[Call]) -> list[CommitResult]:
-        """Run packed commit calls in one round trip (the benchmark's Redis-only bound runs
-        exactly this, with no NATS and no manager in front of it)."""
-        return commit_results(await run_batch(self.r, calls, self.replica_acks))
 
     async def assign(
         self, rid: str, instance_id: str, temperature: float, seed: int, eos_token_id: int

@@ -1,20 +1,20 @@
 """Frame ingest: the manager's exactly-once path from the stream to Redis.
 
 Contract: token frames (one per rollout-instance flush, an entry per response) arrive through
-the durable JetStream consumer and are committed in stream order by group commit (the
-frames that arrive while a commit runs are checked and go in the next), on a
+the durable JetStream consumer and are committed in stream order by group commit (the frames
+that arrive while a commit runs are checked and go in the next), on a
 :class:`~manager_svc.commit_stream.CommitStream` (the next commit queued in Redis behind the
-one running, on one connection, so in order) or, on a cluster client or with replica acks,
-one commit at a time; and acked only after their commit, so a manager killed at any point replays at most the unacked frames, whose entries the
-ledger then drops as duplicates. A malformed frame is counted, logged and terminated (never
-redelivered), and so is a frame whose instance is not its subject's. Within a frame, an entry
-that is forged (its MAC or run does not check out: :mod:`manager_svc.chunk_auth`; counted as
-the step's ``forged_chunks_rejected``) or has a negative offset or a token id outside the run's
-vocabulary (``invalid_chunks_dropped``) is dropped alone: no such entry reaches the commit
-script, the frame's others do. What a commit completed is announced by
-:mod:`manager_svc.announce` (group events, then the barrier of a completed step; the dispatcher
-calls :meth:`ChunkIngest.barrier` too, for a complete step whose barrier a killed manager never
-announced) before its frames are acked.
+one running, on one connection, so in order) or, on a cluster client or with replica acks, one
+commit at a time; and acked only after their commit, so a manager killed at any point replays
+at most the unacked frames, whose entries the ledger then drops as duplicates. A malformed
+frame is counted, logged and terminated (never redelivered), and so is a frame whose instance
+is not its subject's. Within a frame, an entry that is forged (its MAC or run does not check
+out: :mod:`manager_svc.chunk_auth`; counted as the step's ``forged_chunks_rejected``) or has a
+negative offset or a token id outside the run's vocabulary (``invalid_chunks_dropped``) is
+dropped alone: no such entry reaches the commit script, the frame's others do. What a commit
+completed is announced by :mod:`manager_svc.announce` (group events, then the barrier of a
+completed step; the dispatcher calls :meth:`ChunkIngest.barrier` too, for a complete step whose
+barrier a killed manager never announced) before its frames are acked.
 """
 
 from __future__ import annotations
