@@ -7,9 +7,12 @@ one connection's commands in the order they arrive, so the batches commit in the
 were sent, as one batch at a time did; Redis no longer stands idle between them while the
 manager reads one's answer and sends the next. A batch whose send or answer fails (the
 connection, a script Redis no longer has) waits for the batch before it to be done, retries
-included, and only then goes again by ``run_calls``, which waits out an outage: so a retry
-never overtakes what was sent before it. A batch after one that failed for good is not sent
-again (its entries would land past the failed ones' offsets) and fails too.
+included, and only then goes again one batch at a time (``again``: ingest passes
+:meth:`~manager_svc.accounting.Ledger.run_replies`, which waits out an outage); from the
+moment the failure is read until no batch is going that way, every batch goes that way,
+after the one before it, none on the stream. So a retry never overtakes what was sent before
+it. A batch after one that failed for good is not sent again (its entries would land past
+the failed ones' offsets) and fails too.
 
 Only on a plain client with no replica acks (``RLBOOST_REDIS_REPLICA_ACKS``): a cluster client
 sends a batch's calls by node and a replica-acked batch ends with WAIT on its own connection,
@@ -36,6 +39,10 @@ log = logging.getLogger("manager")
 Replies = list[Any]
 
 
+class Suspended(RedisError):  # type: ignore[misc]  # redis-py is Any to mypy here
+    """Not sent: a batch before it failed and goes again the slow way, so this one must too."""
+
+
 class CommitStream:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
@@ -60,15 +67,15 @@ class CommitStream:
         """The replies of ``calls``, run after the batch ``before`` (a future of this method,
         or None); ``again`` sends calls one batch at a time, waiting out an outage."""
         replies: Replies | None = None
-        if not self._suspended:
-            try:
-                replies = await (await self.send(calls))
-            except RedisError as exc:
-                log.warning("pipelined commit failed (%s); sent again after the one before it",
-                            exc)
-            else:
-                if not any(isinstance(reply, NoScriptError) for reply in replies):
-                    return _raise_errors(replies)
+        try:
+            replies = await (await self.send(calls))
+        except Suspended:
+            pass
+        except RedisError as exc:
+            log.warning("pipelined commit failed (%s); sent again after the one before it", exc)
+        else:
+            if not any(isinstance(reply, NoScriptError) for reply in replies):
+                return _raise_errors(replies)
         self._suspended = True
         self._slow += 1
         try:
@@ -110,6 +117,8 @@ class CommitStream:
         order, are the result of the future returned (script errors as exceptions in it)."""
         done: asyncio.Future[Replies] = asyncio.get_running_loop().create_future()
         async with self._send:
+            if self._suspended:  # checked once this batch's turn to send has come
+                raise Suspended("a batch before this one is going again")
             conn = await self._connection()
             await self._load(calls)
             packed = conn.pack_commands([
@@ -153,6 +162,7 @@ class CommitStream:
                 return
             if any(isinstance(reply, NoScriptError) for reply in replies):
                 self._suspended = True
+                self._loaded.clear()
             self._waiting.popleft()
             if not done.done():
                 done.set_result(replies)
