@@ -56,8 +56,7 @@ from benchmarks.control_plane_fleet import (
 from benchmarks.control_plane_report import KINDS, report
 from manager_svc.accounting import Ledger, commit_statuses
 from manager_svc.commit_stream import CommitStream
-from manager_svc.ingest import GROUP_MAX, PIPELINED
-from manager_svc.scripts import Call
+from manager_svc.ingest import GROUP_MAX
 from rlboost.launcher import Child, Cluster
 from rollout_svc.engines.emu import EmuEngine
 from shared import names
@@ -231,7 +230,8 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
             results = [res for call in calls
                        for res in commit_statuses(await ledger.run_replies(call))]
         else:
-            results = await pipelined_commits(stream, ledger, calls)
+            results = [res for replies in await stream.commit_all(calls, ledger.run_replies)
+                       for res in commit_statuses(replies)]
         seconds = time.perf_counter() - t0
     finally:
         gc.enable()
@@ -246,18 +246,6 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
     committed = sum(statuses[s] for s in ("ok", "final", "group", "step"))
     return {"seconds": seconds, "all_committed": committed == len(results), "statuses": statuses,
             "tokens": sum(len(e.token_ids) for f in frames for e in f.entries)}
-
-
-async def pipelined_commits(stream: CommitStream, ledger: Ledger, batches: list[list[Call]]
-                            ) -> list[str]:
-    """``batches`` committed in order on ``stream``, at most PIPELINED in flight."""
-    sent: list[asyncio.Future[list[Any]]] = []
-    for calls in batches:
-        if len(sent) >= PIPELINED:
-            await sent[-PIPELINED]
-        sent.append(asyncio.ensure_future(
-            stream.commit(calls, sent[-1] if sent else None, ledger.run_replies)))
-    return [res for done in sent for res in commit_statuses(await done)]
 
 
 async def rewrite_aof(url: str) -> None:

@@ -37,6 +37,9 @@ from manager_svc.scripts import Call
 
 log = logging.getLogger("manager")
 Replies = list[Any]
+# Batches in flight at once: the next is queued in Redis while one runs, so Redis goes from
+# one to the next without waiting for its caller's event loop.
+PIPELINED = 2
 
 
 class Suspended(RedisError):  # type: ignore[misc]  # redis-py is Any to mypy here
@@ -92,6 +95,17 @@ class CommitStream:
             self._slow -= 1
             if not self._slow and not self._waiting:
                 self._suspended = False
+
+    async def commit_all(self, batches: list[list[Call]],
+                         again: Callable[[list[Call]], Awaitable[Replies]]) -> list[Replies]:
+        """Each batch's replies, committed in order, PIPELINED in flight at a time."""
+        sent: list[asyncio.Future[Replies]] = []
+        for calls in batches:
+            if len(sent) >= PIPELINED:
+                await asyncio.wait([sent[-PIPELINED]])
+            sent.append(asyncio.ensure_future(
+                self.commit(calls, sent[-1] if sent else None, again)))
+        return [await done for done in sent]
 
     @staticmethod
     async def _after(before: asyncio.Future[Any] | None) -> None:

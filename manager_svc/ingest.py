@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -37,7 +38,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from manager_svc.accounting import COMMIT_SLICE, Ledger, commit_statuses
 from manager_svc.announce import Announcer
 from manager_svc.chunk_auth import ChunkAuth, invalid
-from manager_svc.commit_stream import CommitStream
+from manager_svc.commit_stream import PIPELINED, CommitStream
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.scripts import Call
@@ -59,9 +60,6 @@ log = logging.getLogger("manager")
 FETCH_BATCH, FETCH_WAIT_S = 512, 0.5
 SETTLING = 2  # parts committed and being announced while the next commit runs
 GROUP_MAX = 4096  # entries one commit takes at most (16 script calls)
-# Commits in flight at once on a commit stream (manager_svc.commit_stream): the next is queued
-# in Redis while one runs, so Redis goes from one to the next without waiting for this loop.
-PIPELINED = 2
 PULL_NEXT = f"$JS.API.CONSUMER.MSG.NEXT.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 CREATE_CONSUMER = (f"$JS.API.CONSUMER.CREATE.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}."
                    f"{names.CHUNK_WILDCARD}")
@@ -271,10 +269,10 @@ class ChunkIngest:
         """A part's commit, after the one ``before`` it: pipelined behind it on the commit
         stream where there is one, else sent once that one has answered. Each entry's
         status, in order."""
+        again = functools.partial(self.ledger.run_replies, wait_for_redis=True)
         if self.stream is None:
-            return commit_statuses(await self.ledger.run_replies(calls, wait_for_redis=True))
-        return commit_statuses(await self.stream.commit(
-            calls, before, lambda again: self.ledger.run_replies(again, wait_for_redis=True)))
+            return commit_statuses(await again(calls))
+        return commit_statuses(await self.stream.commit(calls, before, again))
 
     async def _prepare(self, taken: deque[NatsMsg], part: _Part) -> None:
         """Decode, check and pack frames from the left of ``taken`` into ``part``, up to

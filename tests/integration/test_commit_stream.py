@@ -14,8 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from manager_svc.accounting import Ledger, commit_statuses
-from manager_svc.commit_stream import CommitStream
-from manager_svc.ingest import PIPELINED
+from manager_svc.commit_stream import PIPELINED, CommitStream
 from shared.names import Keys
 from shared.protocol import FrameEntry, TokenFrame
 
