@@ -245,7 +245,7 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
     statuses = Counter(results)
     committed = sum(statuses[s] for s in ("ok", "final", "group", "step"))
     return {"seconds": seconds, "all_committed": committed == len(results), "statuses": statuses,
-            "tokens": sum(len(e.token_ids) for f in frames for e in f.entries)}
+            "tokens": sum(e.n_tokens for f in frames for e in f.entries)}
 
 
 async def rewrite_aof(url: str) -> None:

@@ -99,7 +99,7 @@ class Publisher:
             stop = engine.natural_length(req) <= a.max_new_tokens  # else cut by the budget
             for off in range(0, len(tokens), flush):
                 part, final = tokens[off:off + flush], off + flush >= len(tokens)
-                entry = wire.FrameEntry(
+                entry = wire.FrameEntry.of(
                     request_id=rid, epoch=a.epoch, weight_version=0, offset=off, token_ids=part,
                     final=final, finish_reason=("stop" if stop else "length") if final else None)
                 entry.mac = wire.entry_mac(a.lease_key, self.iid, entry)

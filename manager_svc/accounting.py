@@ -278,11 +278,11 @@ class Ledger:
             # Epoch and tokens go as text: Lua numbers are doubles, and the lease check and
             # the stored response must see exactly the integers that were sent.
             # The CSV as a JSON string spliced from the ids' JSON array (digits and commas
-            # need no escaping) where ingest encoded it already for the entry's MAC.
+            # need no escaping) where ingest encoded it already.
             csv = token_csv(e.token_ids) if texts is None else msgspec.Raw(
                 b'"' + texts[i][1:-1] + b'"')
             entries.append([e.request_id, str(e.epoch), e.weight_version, e.offset,
-                            len(e.token_ids), csv, e.final, e.finish_reason or "", skey])
+                            e.n_tokens, csv, e.final, e.finish_reason or "", skey])
         return _json.encode([frame.instance_id, frame.kind, entries])
 
     def pack(self, frames: list[TokenFrame], texts: list[list[bytes]] | None = None

@@ -139,9 +139,9 @@ class Announcer:
                 status = next(statuses)
                 t.statuses[status] += 1
                 if status in ("ok", "final", "group", "step"):
-                    t.tokens += len(entry.token_ids)
+                    t.tokens += entry.n_tokens
                 elif status == "aborted":  # its step closed without it (dynamic sampling)
-                    t.discarded += len(entry.token_ids)
+                    t.discarded += entry.n_tokens
                 if status in ("gap", "wrong_version", "overlong"):
                     self._taken_back(frame, entry, status)
                 elif status == "final":

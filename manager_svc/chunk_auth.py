@@ -11,7 +11,8 @@ NATS config an instance can publish on its own chunk subjects only), and :meth:`
 an entry whose MAC does not check out or whose run differs from the subject's, before the commit
 script ever sees it: knowing a request id and its epoch is not enough to commit a token. The
 check is per entry, as strong as when every response had its own message. :func:`invalid`
-names what else is dropped: negative offsets, token ids outside the run's vocabulary.
+names what else is dropped: negative offsets, tokens that are not whole ids, token ids
+outside the run's vocabulary.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import secrets
 import redis.asyncio as aioredis
 
 from shared.names import Keys
-from shared.protocol import FrameEntry, TokenFrame, entry_digest
+from shared.protocol import TOKEN_WIDTH, FrameEntry, TokenFrame, entry_digest
 
 # Lease keys remembered: a lease's entries arrive every flush for the whole response, and
 # deriving its key again each time was a second HMAC per entry on the ingest path.
@@ -32,7 +33,7 @@ KEY_CACHE = 1 << 16
 class ChunkAuth:
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
-        self._keys: dict[tuple[str, int], bytes] = {}
+        self._keys: dict[str, tuple[int, bytes]] = {}  # request id -> (epoch, its key)
 
     @classmethod
     async def load(cls, redis: aioredis.Redis) -> ChunkAuth:
@@ -46,13 +47,15 @@ class ChunkAuth:
         return self._key(request_id, epoch).hex()
 
     def _key(self, request_id: str, epoch: int) -> bytes:
-        key = self._keys.get((request_id, epoch))
-        if key is None:
+        # By request id alone: its entries arrive with the epoch of their lease, which
+        # changes only when the lease moves (and a tuple key cost a tuple and its hash).
+        got = self._keys.get(request_id)
+        if got is None or got[0] != epoch:
             if len(self._keys) >= KEY_CACHE:
                 self._keys.clear()
-            key = self._keys[(request_id, epoch)] = hmac.digest(
-                self._secret, f"{request_id}|{epoch}".encode(), "sha256")
-        return key
+            got = self._keys[request_id] = (epoch, hmac.digest(
+                self._secret, f"{request_id}|{epoch}".encode(), "sha256"))
+        return got[1]
 
     @staticmethod
     def forged_frame(frame: TokenFrame, subject: str) -> str | None:
@@ -63,28 +66,30 @@ class ChunkAuth:
             return "instance differs from its subject"
         return None
 
-    def forged(self, frame: TokenFrame, entry: FrameEntry, entry_run: str, subject_run: str,
-               tokens: bytes | None = None) -> str | None:
+    def forged(self, frame: TokenFrame, entry: FrameEntry, entry_run: str, subject_run: str
+               ) -> str | None:
         """Why ``entry`` of ``frame`` is not from its lease holder; None if it is.
-        ``entry_run`` is its request id's run, ``subject_run`` the run its subject names;
-        ``tokens``, where the caller has it, :func:`~shared.protocol.token_json` of its ids."""
+        ``entry_run`` is its request id's run, ``subject_run`` the run its subject names."""
         if entry_run != subject_run:
             return "run differs from its subject"
         expected = entry_digest(self._key(entry.request_id, entry.epoch), frame.instance_id,
-                                entry, tokens).hex().encode()
-        # surrogatepass: a MAC is whatever text the wire carried, lone surrogates included
-        if not hmac.compare_digest(entry.mac.encode("utf-8", "surrogatepass"), expected):
-            return "bad MAC"
-        return None
+                                entry).hex()
+        try:
+            if hmac.compare_digest(entry.mac, expected):
+                return None
+        except TypeError:  # a MAC of non-ASCII text: never one the manager's keys make
+            pass
+        return "bad MAC"
 
 
-def invalid(entry: FrameEntry, vocab_size: int, tokens_checked: bool = False) -> str | None:
+def invalid(entry: FrameEntry, vocab_size: int, ids: list[int]) -> str | None:
     """Why ``entry`` cannot be committed whoever sent it; None if it can be considered.
-    ``tokens_checked``: its token ids were decoded within this vocabulary
-    (:func:`~shared.protocol.decode_frame`)."""
+    ``ids``: its token ids, unpacked by the caller where they are
+    :attr:`~shared.protocol.FrameEntry.whole` (the caller commits them)."""
     if entry.offset < 0:
         return f"negative offset {entry.offset}"
-    if not tokens_checked and entry.token_ids and (min(entry.token_ids) < 0 or (
-            vocab_size > 0 and max(entry.token_ids) >= vocab_size)):
+    if not entry.whole:
+        return f"{len(entry.tokens)} bytes of tokens are not whole {TOKEN_WIDTH}-byte ids"
+    if vocab_size > 0 and ids and max(ids) >= vocab_size:
         return f"token id outside the vocabulary of {vocab_size}"
     return None

@@ -47,13 +47,7 @@ from shared import names
 from shared.errors import ProtocolError
 from shared.names import Keys
 from shared.process import wait_event
-from shared.protocol import (
-    FrameEntry,
-    TokenFrame,
-    decode,
-    decode_frame,
-    token_json,
-)
+from shared.protocol import FrameEntry, TokenFrame, decode_frame, token_json
 
 log = logging.getLogger("manager")
 # Frames one pull request asks for, and how long it waits for them.
@@ -136,7 +130,6 @@ class ChunkIngest:
         self.soft = soft
         self.auth = auth
         self._vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size (0: unknown)
-        self._run_vocab: dict[str, int] = {}  # run id -> the vocabulary its frames decode with
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self._in_flight = 0  # frames pulled and not yet acked or terminated
         self.announcer = Announcer(redis, nc, ledger, runs, metrics, soft)
@@ -284,23 +277,13 @@ class ChunkIngest:
         while taken and entries < COMMIT_SLICE:
             msg = taken.popleft()
             subject_run = msg.subject.split(".")[2]
-            # Token ids are range-checked by the decoder, against the vocabulary this run's
-            # last frame was checked against; a frame that fails is decoded again plainly,
-            # which tells a malformed frame from entries outside the vocabulary.
-            bound = self._run_vocab.get(subject_run)
             try:
-                frame = decode_frame(msg.data, bound) if bound is not None else None
-            except ProtocolError:
-                frame = None
-            if frame is None:
-                bound = None
-                try:
-                    frame = decode(msg.data, TokenFrame)
-                except ProtocolError as exc:
-                    self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
-                    log.warning("dropped frame: %s", str(exc)[:200])
-                    await self._term(msg)
-                    continue
+                frame = decode_frame(msg.data)
+            except ProtocolError as exc:
+                self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
+                log.warning("dropped frame: %s", str(exc)[:200])
+                await self._term(msg)
+                continue
             if (why := self.auth.forged_frame(frame, msg.subject)) is not None:
                 for entry in frame.entries:
                     await self._reject(frame, entry, msg.subject, "forged", why)
@@ -309,28 +292,22 @@ class ChunkIngest:
             part.keep.append(msg)
             kept, kept_texts = [], []
             for entry in frame.entries:
-                # The id's pattern was checked by decode: "<run>:<step>:<prompt>:<sample>",
-                # no colon in a run id. Split once here, not parsed whole per check.
+                # "<run>:<step>:<prompt>:<sample>", no colon in a run id, once its MAC checks
+                # out (the manager leased it); split once here, not parsed whole per check.
                 scope = entry.request_id.rsplit(":", 2)[0]
                 run_id = scope.partition(":")[0]
-                tokens = token_json(entry.token_ids)
-                if (why := self.auth.forged(frame, entry, run_id, subject_run,
-                                            tokens)) is not None:
+                if (why := self.auth.forged(frame, entry, run_id, subject_run)) is not None:
                     await self._reject(frame, entry, msg.subject, "forged", why)
                     continue
                 size = self._vocab.get(scope)
                 if size is None:
                     size = await self._vocab_size(scope)
-                checked = size == bound
-                if not checked:  # the run's next frames decode with this vocabulary
-                    if len(self._run_vocab) >= CACHE_SIZE:
-                        self._run_vocab.clear()
-                    self._run_vocab[run_id] = size
-                if (why := invalid(entry, size, tokens_checked=checked)) is not None:
+                ids = entry.token_ids if entry.whole else []
+                if (why := invalid(entry, size, ids)) is not None:
                     await self._reject(frame, entry, msg.subject, "invalid", why)
                 else:
                     kept.append(entry)
-                    kept_texts.append(tokens)
+                    kept_texts.append(token_json(ids))
             if kept:
                 frame.entries = kept
                 frames.append(frame)
@@ -369,13 +346,15 @@ class ChunkIngest:
 
     async def _reject(self, frame: TokenFrame, entry: FrameEntry, subject: str, result: str,
                       why: str) -> None:
-        run_id, step, _, _ = names.parse_request_id(entry.request_id)
-        skey = Keys.step(run_id, step)
         self.metrics.chunks.labels(result).inc()
         if result == "forged":
             self.metrics.forged.inc()
         log.warning("%s entry of %s as %s on %s: %s", result, entry.request_id[:100],
                     frame.instance_id, subject[:120], why)
+        if not names.valid_request_id(entry.request_id):  # forged: no step to count it in
+            return
+        run_id, step, _, _ = names.parse_request_id(entry.request_id)
+        skey = Keys.step(run_id, step)
         counter = "forged_chunks_rejected" if result == "forged" else "invalid_chunks_dropped"
         if await self.redis.exists(skey):  # never a key for a step that does not exist
             await self.redis.hincrby(skey, counter, 1)

@@ -404,7 +404,7 @@ class RolloutService:
         # before the ack, and those tokens go in the next frame.
         entries = [self._entry(rid, item) for rid, item in items]
         for (_, item), entry in zip(items, entries, strict=True):
-            item.sending, item.final_sent = len(entry.token_ids), entry.final
+            item.sending, item.final_sent = entry.n_tokens, entry.final
         frame = TokenFrame(instance_id=self.cfg.instance_id, kind=self.cfg.kind, entries=entries)
         data = encode(frame)
         if len(data) > MESSAGE_BUDGET and len(items) > 1:
@@ -429,8 +429,8 @@ class RolloutService:
         self.metrics.frames.inc()
         self.metrics.chunks.inc(len(items))
         for (rid, item), entry in zip(items, entries, strict=True):
-            item.offset += len(entry.token_ids)
-            del item.buffer[:len(entry.token_ids)]
+            item.offset += entry.n_tokens
+            del item.buffer[:entry.n_tokens]
             item.sending = 0
             if entry.final:
                 self.inflight.pop(rid, None)
@@ -438,9 +438,9 @@ class RolloutService:
 
     def _entry(self, rid: str, item: InFlight) -> FrameEntry:
         a = item.assignment
-        entry = FrameEntry(
+        entry = FrameEntry.of(
             request_id=rid, epoch=a.epoch, weight_version=a.weight_version, offset=item.offset,
-            token_ids=list(item.buffer), final=item.final,
+            token_ids=item.buffer, final=item.final,
             finish_reason=item.finish_reason if item.final else None,  # type: ignore[arg-type]
         )
         entry.mac = entry_mac(a.lease_key, self.cfg.instance_id, entry)

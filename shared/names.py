@@ -53,10 +53,15 @@ INSTANCE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 # "<run>:<step>:<prompt>:<sample>", the run id as the weight service checks it
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}:[0-9]{1,9}:[0-9]{1,9}:[0-9]{1,9}$"
 _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
 def valid_instance_id(instance_id: str) -> bool:
     return _INSTANCE_ID.fullmatch(instance_id) is not None
+
+
+def valid_request_id(rid: str) -> bool:
+    return _REQUEST_ID.fullmatch(rid) is not None
 
 
 def assign_subject(instance_id: str) -> str:

@@ -20,7 +20,7 @@ RUN = "run-acc"
 def chunk(rid: str, inst: str, epoch: int, offset: int, tokens: list[int], final: bool = False,
           version: int = 0) -> TokenFrame:
     """A frame with one entry: committed exactly as that response's entry in any frame."""
-    return TokenFrame(instance_id=inst, entries=[FrameEntry(
+    return TokenFrame(instance_id=inst, entries=[FrameEntry.of(
         request_id=rid, epoch=epoch, weight_version=version, offset=offset, token_ids=tokens,
         final=final, finish_reason="stop" if final else None)])
 
@@ -352,8 +352,8 @@ async def test_a_frame_checks_each_response_alone(ledger: Ledger) -> None:
     assert await ledger.revoke(stale)
 
     def entry(rid: str, epoch: int, offset: int, tokens: list[int]) -> FrameEntry:
-        return FrameEntry(request_id=rid, epoch=epoch, weight_version=0, offset=offset,
-                          token_ids=tokens)
+        return FrameEntry.of(request_id=rid, epoch=epoch, weight_version=0, offset=offset,
+                             token_ids=tokens)
     frame = TokenFrame(instance_id="i1", entries=[
         entry(ok, a.epoch, 0, [5]), entry(stale, b.epoch, 0, [6]), entry(gap, c.epoch, 2, [7]),
         entry(ok, a.epoch, 1, [8, 9])])

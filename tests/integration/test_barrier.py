@@ -36,7 +36,7 @@ async def test_concurrent_barriers_of_a_step_announce_it_once(brokers: Stack,
                 rid = f"{RUN}:0:{p}:{s}"
                 a = await ledger.assign(rid, "i1", 1.0, 0, 2)
                 assert a is not None
-                [result] = await ledger.commit(TokenFrame(instance_id="i1", entries=[FrameEntry(
+                [result] = await ledger.commit(TokenFrame(instance_id="i1", entries=[FrameEntry.of(
                     request_id=rid, epoch=a.epoch, weight_version=0, offset=0,
                     token_ids=[5 + p, 6 + s], final=True, finish_reason="stop")]))
                 assert result.status in ("final", "group", "step")

@@ -57,7 +57,7 @@ async def test_batches_commit_in_the_order_sent_through_a_fault(
     # response's entries are spread over every batch, so any reordering is a gap.
     def frame(n: int) -> TokenFrame:
         last = n == FRAMES - 1
-        return TokenFrame(instance_id="i1", entries=[FrameEntry(
+        return TokenFrame(instance_id="i1", entries=[FrameEntry.of(
             request_id=rid, epoch=epochs[rid], weight_version=0, offset=n * FLUSH,
             token_ids=[n * FLUSH + k for k in range(FLUSH)], final=last,
             finish_reason="length" if last else None) for rid in rids])

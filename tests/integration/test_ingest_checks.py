@@ -1,6 +1,6 @@
-"""Ingest's checks against real NATS JetStream and Redis: once a run's frames decode with its
-vocabulary's bounds, an entry outside the vocabulary is still dropped alone (its frame's others
-commit), and a malformed frame is still terminated as one."""
+"""Ingest's checks against real NATS JetStream and Redis: an entry whose packed token ids fall
+outside the run's vocabulary, or are not whole ids, is dropped alone (its frame's others
+commit), and a malformed frame is terminated as one."""
 
 from __future__ import annotations
 
@@ -19,33 +19,39 @@ from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
-from shared.errors import ProtocolError
 from shared.names import Keys, request_id
 from shared.protocol import (
     FrameEntry,
     RunSpec,
     TokenFrame,
     decode,
-    decode_frame,
     encode,
     entry_mac,
+    pack_token_ids,
+    unpack_token_ids,
 )
 from shared.stack import Stack
 
 VOCAB = 1000
 
 
-def test_frames_decode_within_their_vocabulary() -> None:
-    frame = TokenFrame(instance_id="i0", entries=[FrameEntry(
-        request_id="r:0:0:0", epoch=1, weight_version=0, offset=0, token_ids=[0, 999])])
-    got = decode_frame(encode(frame), VOCAB)
-    assert isinstance(got, TokenFrame) and decode(encode(got), TokenFrame) == frame
-    for ids in ([1000], [-1], [5, 10**9]):
-        frame.entries[0].token_ids = ids
-        with pytest.raises(ProtocolError):
-            decode_frame(encode(frame), VOCAB)
-    frame.entries[0].token_ids = [10**9]  # a vocabulary of 0 is not checked, the sign is
-    assert decode_frame(encode(frame), 0).entries[0].token_ids == [10**9]
+def test_token_ids_travel_packed() -> None:
+    ids = [0, 999, 70_000, 2**32 - 1]
+    frame = TokenFrame(instance_id="i0", entries=[FrameEntry.of(
+        request_id="r:0:0:0", epoch=1, weight_version=0, offset=0, token_ids=ids)])
+    data = encode(frame)
+    assert b'"tokens":"' in data and b"70000" not in data  # base64, not a JSON array
+    got = decode(data, TokenFrame)
+    assert got == frame and got.entries[0].token_ids == ids and got.entries[0].n_tokens == 4
+    assert pack_token_ids(ids)[:8] == bytes([0, 0, 0, 0, 0xE7, 3, 0, 0])  # little-endian
+    for bad in ([-1], [2**32]):  # not an unsigned 32-bit id: cannot be sent at all
+        with pytest.raises(OverflowError):
+            pack_token_ids(bad)
+    frame.entries[0].tokens += b"\x01"
+    part = decode(encode(frame), TokenFrame).entries[0]
+    assert not part.whole
+    with pytest.raises(ValueError):
+        unpack_token_ids(part.tokens)
 
 
 async def test_an_entry_outside_the_vocabulary_is_dropped_alone(brokers: Stack,
@@ -68,21 +74,23 @@ async def test_an_entry_outside_the_vocabulary_is_dropped_alone(brokers: Stack,
             assert a is not None
             leases.append(a)
 
-        def frame(tokens: list[list[int]], offset: int) -> bytes:
+        def frame(tokens: list[list[int] | bytes], offset: int) -> bytes:
             entries = []
             for a, ids in zip(leases, tokens, strict=False):
-                entry = FrameEntry(request_id=a.request_id, epoch=a.epoch, weight_version=0,
-                                   offset=offset, token_ids=ids)
+                entry = FrameEntry.of(request_id=a.request_id, epoch=a.epoch, weight_version=0,
+                                      offset=offset, token_ids=[])
+                entry.tokens = ids if isinstance(ids, bytes) else pack_token_ids(ids)
                 entry.mac = entry_mac(a.lease_key, "i0", entry)
                 entries.append(entry)
             return encode(TokenFrame(instance_id="i0", entries=entries))
 
         subject = names.chunk_subject(run_id, "i0")
-        # The first frame teaches ingest the run's vocabulary; the second decodes with its
-        # bounds and fails them: two of its four entries are outside it, the others commit.
+        # Of the second frame's four entries (each with a good MAC), one is outside the
+        # vocabulary and one is five bytes, not whole ids: those two are dropped, the others
+        # commit. The third is not a frame at all (its first tokens are not base64).
         await js.publish(subject, frame([[1, 2]] * 4, 0))
-        await js.publish(subject, frame([[3], [VOCAB], [4], [-5]], 2))
-        await js.publish(subject, frame([[5]] * 4, 3).replace(b"[5]", b'["5"]', 1))
+        await js.publish(subject, frame([[3], [VOCAB], [4], pack_token_ids([5]) + b"\0"], 2))
+        await js.publish(subject, frame([[5]] * 4, 3).replace(b'"tokens":"', b'"tokens":"!', 1))
         metrics = ManagerMetrics()
         ingest = ChunkIngest(redis, nc, ledger, runs, metrics, SoftState(), auth)
         task = asyncio.create_task(ingest.consume())
@@ -95,7 +103,7 @@ async def test_an_entry_outside_the_vocabulary_is_dropped_alone(brokers: Stack,
         committed = [await redis.get(Keys.tokens(a.request_id)) for a in leases]
         assert committed == ["1,2,3", "1,2", "1,2,4", "1,2"]
         malformed = metrics.malformed.labels(names.CHUNK_WILDCARD)._value.get()
-        assert malformed == 1  # the third frame, one token a string: terminated whole
+        assert malformed == 1  # the third frame, one entry's tokens not base64: terminated
     finally:
         if task is not None:
             task.cancel()

@@ -99,9 +99,9 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
                 for rid, epoch, key in leases:
                     _, _, p, s = names.parse_request_id(rid)
                     final = off + FLUSH >= LENGTH
-                    entry = FrameEntry(request_id=rid, epoch=epoch, weight_version=0,
-                                       offset=off, token_ids=tokens_of(p, s)[off:off + FLUSH],
-                                       final=final, finish_reason="stop" if final else None)
+                    entry = FrameEntry.of(request_id=rid, epoch=epoch, weight_version=0,
+                                          offset=off, token_ids=tokens_of(p, s)[off:off + FLUSH],
+                                          final=final, finish_reason="stop" if final else None)
                     entry.mac = entry_mac(key, iid, entry)
                     entries.append(entry)
                 await js.publish(names.chunk_subject(run_id, iid),

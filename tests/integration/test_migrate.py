@@ -14,7 +14,7 @@ RUN = "run-old"
 
 def frame(rid: str, epoch: int, offset: int, tokens: list[int], final: bool = False
           ) -> TokenFrame:
-    return TokenFrame(instance_id="i1", entries=[FrameEntry(
+    return TokenFrame(instance_id="i1", entries=[FrameEntry.of(
         request_id=rid, epoch=epoch, weight_version=0, offset=offset, token_ids=tokens,
         final=final, finish_reason="stop" if final else None)])
 

@@ -37,7 +37,7 @@ STALL_S = 1.5  # longer than a WAIT (scripts.WAIT_MS): a commit still waiting is
 
 
 def frame(rid: str, epoch: int, offset: int, tokens: list[int]) -> TokenFrame:
-    return TokenFrame(instance_id="i1", entries=[FrameEntry(
+    return TokenFrame(instance_id="i1", entries=[FrameEntry.of(
         request_id=rid, epoch=epoch, weight_version=0, offset=offset, token_ids=tokens)])
 
 

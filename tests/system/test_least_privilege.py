@@ -160,7 +160,7 @@ async def forge(stack: Stack, store: redis.Redis, run_id: str) -> dict[str, int]
     sent = {"forged": 0, "invalid": 0}
 
     def chunk(instance_id: str, tokens: list[int], offset: int) -> TokenFrame:
-        return TokenFrame(instance_id=instance_id, entries=[FrameEntry(
+        return TokenFrame(instance_id=instance_id, entries=[FrameEntry.of(
             request_id=rid, epoch=epoch, weight_version=version, offset=offset,
             token_ids=tokens)])
 
@@ -175,12 +175,14 @@ async def forge(stack: Stack, store: redis.Redis, run_id: str) -> dict[str, int]
     await bus.jetstream().publish(names.chunk_subject(run_id, holder),
                                   encode(chunk(holder, [7, 7, 7, 7], n)), timeout=5)
     sent["forged"] += 1
-    # The holder's key (derived as the manager derives it) on out-of-vocabulary tokens and a
-    # negative offset: authentic, but never committable.
+    # The holder's key (derived as the manager derives it) on out-of-vocabulary tokens, bytes
+    # that are not whole ids and a negative offset: authentic, but never committable.
     secret = bytes.fromhex(str(store.get(Keys.chunk_key())))
     key = hmac.new(secret, f"{rid}|{epoch}".encode(), hashlib.sha256).hexdigest()
-    for tokens, offset in (([10**9, 5], n), ([-7], n), ([5], -3)):
+    for tokens, offset in (([10**9, 5], n), ([7], n), ([5], -3)):
         bad = chunk(holder, tokens, offset)
+        if tokens == [7]:
+            bad.entries[0].tokens += b"\x07"  # five bytes
         bad.entries[0].mac = entry_mac(key, holder, bad.entries[0])
         await bus.jetstream().publish(names.chunk_subject(run_id, holder), encode(bad), timeout=5)
         sent["invalid"] += 1
