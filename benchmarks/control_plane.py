@@ -221,7 +221,7 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
     # one timed pass of three, and Redis waited for it, idle.
     stream = CommitStream(r) if pipelined and CommitStream.usable(r, replica_acks) else None
     if stream is not None:  # connected, its script loaded, before the clock starts
-        await stream.ready(calls[0])
+        await stream.ready([call.script for call in calls[0]])
     gc.collect()
     gc.disable()
     try:

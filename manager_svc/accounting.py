@@ -119,7 +119,7 @@ class Ledger:
         self.lease_key = lease_key  # the MAC key of a lease, sent in its Assignment
         self.migration = migration  # "token" (resume) or "request" (restart: the ablation)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
-        self._commit = register(redis, "commit.lua")
+        self._commit = self.commit_script = register(redis, "commit.lua")
         self._assign = register(redis, "assign.lua")
         self._revoke = register(redis, "revoke.lua")
         self._renew_many = register(redis, "renew_many.lua")

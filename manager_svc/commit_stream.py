@@ -31,6 +31,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
+from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from manager_svc.scripts import Call
@@ -54,6 +55,7 @@ class CommitStream:
         self._send = asyncio.Lock()  # bytes and their place in _waiting in one order
         self._reader: asyncio.Task[None] | None = None
         self._loaded: set[str] = set()  # scripts loaded since the connection was made
+        self._read_timeout: float | None = None  # the pool's socket timeout, for replies
         # Set the moment a batch fails (as its answer is read, before its caller sees it):
         # from then on every batch goes the slow way, after the one before it, until none is
         # going that way; else one sent meanwhile could run before a failed one's retry.
@@ -114,14 +116,16 @@ class CommitStream:
             if before.cancelled() or before.exception() is not None:
                 raise RedisError("the commit before this one failed; not sent out of order")
 
-    async def ready(self, calls: list[Call]) -> None:
-        """Connect, and load the scripts of ``calls``, before the first batch needs them."""
+    async def ready(self, scripts: list[AsyncScript]) -> None:
+        """Connect, and load ``scripts``, before the first batch needs them: made by the
+        first commit, the connection waited ~40 ms for turns of a busy event loop while
+        Redis stood idle (the first commit of a backlog)."""
         async with self._send:
             await self._connection()
-            await self._load(calls)
+            await self._load(scripts)
 
-    async def _load(self, calls: list[Call]) -> None:
-        for script in {call.script.sha: call.script for call in calls}.values():
+    async def _load(self, scripts: list[AsyncScript]) -> None:
+        for script in {script.sha: script for script in scripts}.values():
             if script.sha not in self._loaded:  # not NOSCRIPT answers to retry in order
                 await self.redis.script_load(script.script)
                 self._loaded.add(script.sha)
@@ -134,7 +138,7 @@ class CommitStream:
             if self._suspended:  # checked once this batch's turn to send has come
                 raise Suspended("a batch before this one is going again")
             conn = await self._connection()
-            await self._load(calls)
+            await self._load([call.script for call in calls])
             packed = conn.pack_commands([
                 ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
                 for call in calls])
@@ -152,7 +156,14 @@ class CommitStream:
     async def _connection(self) -> AbstractConnection:
         if self._conn is None or not self._conn.is_connected:
             pool = self.redis.connection_pool
-            self._conn = pool.connection_class(**pool.connection_kwargs)
+            # No socket timeout of its own: with one, redis-py writes each batch in a task of
+            # its own (asyncio.wait_for), a turn of ingest's busy event loop (~4 ms) between a
+            # batch packed and a batch sent, on every commit of a drained step's ramp. Reads
+            # keep the pool's timeout (_read), and a read that times out closes the
+            # connection, which ends a write stuck behind a Redis that stopped reading.
+            kwargs = pool.connection_kwargs
+            self._read_timeout = kwargs.get("socket_timeout")
+            self._conn = pool.connection_class(**{**kwargs, "socket_timeout": None})
             await self._conn.connect()
             self._loaded.clear()
         return self._conn
@@ -166,7 +177,10 @@ class CommitStream:
             try:
                 for _ in range(n):
                     try:
-                        replies.append(await conn.read_response())
+                        # Its own timeout, not read_response's: one passed to that
+                        # answers None when it passes, as if it were a reply.
+                        async with asyncio.timeout(self._read_timeout):
+                            replies.append(await conn.read_response())
                     except ResponseError as exc:  # a script's error: the batch's caller's
                         replies.append(exc)
             except BaseException as exc:

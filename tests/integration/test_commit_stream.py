@@ -1,12 +1,14 @@
 """Pipelined commits against a real redis-server: batches sent before the ones ahead of them
-answer still commit in the order they were sent, when the stream's connection is killed and
-when Redis forgets its scripts while batches are in flight. A batch that fails goes again after
+answer still commit in the order they were sent, when the stream's connection is killed, when
+Redis forgets its scripts and when Redis stops answering (SIGSTOP, past the stream's read
+timeout) while batches are in flight. A batch that fails goes again after
 the one before it, never overtaken by one sent later: an entry that ran early would find its
 response's earlier entries missing (a gap, which takes the lease back)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections import Counter
 from typing import Any
 
@@ -17,6 +19,7 @@ from manager_svc.accounting import Ledger, commit_statuses
 from manager_svc.commit_stream import PIPELINED, CommitStream
 from shared.names import Keys
 from shared.protocol import FrameEntry, TokenFrame
+from shared.stack import Stack
 
 RUN, RESPONSES, FLUSH, FRAMES = "run-stream", 8, 4, 120
 COMMITTED = ("ok", "final", "group", "step")
@@ -41,9 +44,12 @@ async def pipelined(stream: CommitStream, ledger: Ledger, batches: list[Any],
     return [s for done in sent for s in commit_statuses(await done)]
 
 
-@pytest.mark.parametrize("fault", ["connection-killed", "scripts-flushed"])
+@pytest.mark.parametrize("fault", ["connection-killed", "scripts-flushed", "redis-stopped"])
 async def test_batches_commit_in_the_order_sent_through_a_fault(
-        store: aioredis.Redis, fault: str) -> None:
+        brokers: Stack, store: aioredis.Redis, fault: str) -> None:
+    if fault == "redis-stopped":  # a read timeout the test can outwait
+        store = aioredis.Redis.from_url(brokers.redis.url, decode_responses=True,
+                                        socket_timeout=0.3)
     ledger = Ledger(store, lease_ttl_s=60)
     await ledger.create_step(RUN, 0, 0, [[1, 2]], samples=RESPONSES,
                              max_new_tokens=FLUSH * FRAMES)
@@ -70,13 +76,25 @@ async def test_batches_commit_in_the_order_sent_through_a_fault(
 
     async def flush() -> None:
         await other.script_flush()
-    act = kill if fault == "connection-killed" else flush
+
+    async def stop() -> None:
+        # The next batches go out to a stopped Redis, which holds what was sent and runs it
+        # once continued: the stream's reads time out meanwhile, and its batches go again
+        # the slow way, their part that ran reading as duplicates.
+        proc = brokers.redis.proc
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(0.8, proc.send_signal, signal.SIGCONT)
+    act = {"connection-killed": kill, "scripts-flushed": flush, "redis-stopped": stop}[fault]
     stream, again = CommitStream(store), [0]
     try:
         statuses = await pipelined(stream, ledger, batches, {n: act for n in (10, 50, 90)},
                                    again)
     finally:
         await stream.close()
+        if fault == "redis-stopped":
+            await store.aclose()
+            store = other
     assert again[0] >= 3, again  # each fault failed a batch in flight, at least
 
     info = await store.hgetall(Keys.step(RUN, 0))
