@@ -68,6 +68,11 @@ from shared.stack import Server, Stack, child_env, free_port
 
 RAW = "bench.raw"  # the baseline's subject: outside the chunk stream's
 REPEATS = 3  # passes of each kind per flush interval; the median is reported, and the range
+# Five at the intervals whose rate can meet the goal: on this 2-core VM a pass's speed swings
+# by up to ~25 % from one second to the next (the same drain took 0.38-0.64 s of the
+# manager's CPU, the same bound 0.38-0.48 s of Redis's), so three passes left the median's
+# ratio to the one or two passes that landed in a slow spell.
+GOAL_REPEATS = {16: 5, 64: 5}
 # Flush intervals measured: rollout's default, 16 and 64. Waste per preempted response stays
 # within one flush at any of them (bench-preempt --chunk-tokens N), so the goals hold if the
 # rate and the bound ratio hold together at one of them (the report names which); for
@@ -305,7 +310,7 @@ def part_ingest(root: Path) -> dict[str, Any]:
                 out["latency"][n] = await latency_pass(nc, http, n, manager_pid())
             for flush in FLUSHES:
                 runs: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
-                for i in range(REPEATS):
+                for i in range(GOAL_REPEATS.get(flush, REPEATS)):
                     await rewrite_aof(stack.redis.url)
                     live = await manager_pass(nc, http, stack, f"live{flush}-{i}", None, flush)
                     drain = await manager_pass(nc, http, stack, f"drain{flush}-{i}", manager,
