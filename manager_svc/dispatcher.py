@@ -163,7 +163,14 @@ class Dispatcher:
         active = await self._active_step()
         if active is None:
             return
-        for rid in await self.ledger.expired_leases(active.run_id, active.step):
+        expired = await self.ledger.expired_leases(active.run_id, active.step)
+        if expired:
+            # A beat renews its instance's registration and then its leases, to the same TTL:
+            # leases that expired with their holder are a dead instance's, found dead by the
+            # reap just before this only if it ran a few ms later. Reaped now, the instance
+            # gives them back as a preemption (counted), not as leases that lapsed one by one.
+            await self.registry.reap_dead()
+        for rid in expired:
             if await self.ledger.revoke(rid):
                 self.metrics.revocations.labels("expired").inc()
                 log.info("lease of %s expired; taken back", rid)

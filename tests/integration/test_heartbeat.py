@@ -1,5 +1,6 @@
 """A heartbeat against a real redis-server: one script registers it, answers the run to serve,
-renews the instance's own leases of that run, drops the rest and records its events once."""
+renews the instance's own leases of that run, drops the rest and records its events once; and
+an instance whose registration and leases lapse together is reaped as a preemption."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from manager_svc.accounting import Ledger
 from manager_svc.archive import Archive
 from manager_svc.crash import CrashPoints
+from manager_svc.dispatcher import Dispatcher
 from manager_svc.events import InstanceEvents
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.registry import Registry
@@ -38,7 +40,10 @@ async def parts(brokers: Stack, tmp_path: Path) -> AsyncIterator[tuple[Registry,
     assert await runs.active() == run_id
     ledger = Ledger(redis, lease_ttl_s=LEASE_TTL_S)
     await ledger.create_step(run_id, 0, 0, [[1, 2], [3, 4]], samples=2, max_new_tokens=8)
-    registry = Registry(ManagerConfig(), redis, ledger, runs, ManagerMetrics(), SoftState(),
+    # An instance lapses with its leases: one beat renews both, to the same TTL.
+    cfg = ManagerConfig.from_env({"RLBOOST_LEASE_TTL_S": str(LEASE_TTL_S),
+                                  "RLBOOST_INSTANCE_TTL_S": str(LEASE_TTL_S)})
+    registry = Registry(cfg, redis, ledger, runs, ManagerMetrics(), SoftState(),
                         InstanceEvents(redis, archive), CrashPoints("", tmp_path))
     yield registry, run_id
     await redis.aclose()
@@ -116,3 +121,32 @@ async def test_a_beat_in_flight_after_leaving_records_no_join(
     await registry.on_heartbeat(beat([], run_id=run_id, session="s2"))  # a new process joins
     events = [(e["type"], e["instance"]) for e in await registry.events.read(run_id)]
     assert events == [("join", "i1"), ("leave", "i1"), ("join", "i1")]
+
+
+async def test_leases_that_lapse_with_their_instance_are_a_preemption(
+        parts: tuple[Registry, str], tmp_path: Path) -> None:
+    """The reap pass found the instance alive ms before its registration and its leases
+    lapsed, together; the lease expiry of the same pass then finds them gone: the instance is
+    reaped there, so its work goes back as one preemption (counted in the step), not as
+    leases that lapsed one by one (the fault suite's zombie test saw preemptions 0)."""
+    registry, run_id = parts
+    ledger, metrics = registry.ledger, registry.metrics
+    rids = [request_id(run_id, 0, 0, s) for s in range(2)]
+    held = []
+    for rid in rids:
+        lease = await ledger.assign(rid, "i1", 1.0, 0, 2)
+        assert lease is not None
+        held.append(Held(request_id=rid, epoch=lease.epoch))
+    await registry.on_heartbeat(beat(held, run_id=run_id))
+    dispatcher = Dispatcher(registry.cfg, registry.redis, None, ledger,  # type: ignore[arg-type]
+                            registry.runs, registry, None, metrics,  # type: ignore[arg-type]
+                            registry.soft, CrashPoints("", tmp_path), None)  # type: ignore[arg-type]
+    await registry.reap_dead()  # the pass's reap: alive still
+    assert await registry.redis.exists(Keys.instance("i1"))
+    await asyncio.sleep(LEASE_TTL_S * 1.5)  # both lapse before the pass's lease expiry
+    await dispatcher._expire_leases()
+    step = await registry.redis.hgetall(Keys.step(run_id, 0))
+    assert (step.get("preemptions"), step.get("preempted_responses")) == ("1", "2"), step
+    assert metrics.revocations.labels("dead")._value.get() == 2
+    assert metrics.revocations.labels("expired")._value.get() == 0
+    assert set(rids) <= await registry.redis.smembers(Keys.pending(run_id, 0))
