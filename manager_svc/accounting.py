@@ -119,7 +119,7 @@ class Ledger:
         self.lease_key = lease_key  # the MAC key of a lease, sent in its Assignment
         self.migration = migration  # "token" (resume) or "request" (restart: the ablation)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
-        self._commit = self.commit_script = register(redis, "commit.lua")
+        self.commit_script = register(redis, "commit.lua")
         self._assign = register(redis, "assign.lua")
         self._revoke = register(redis, "revoke.lua")
         self._renew_many = register(redis, "renew_many.lua")
@@ -299,13 +299,13 @@ class Ledger:
                 continue
             frame_run = parse_request_id(frame.entries[0].request_id)[0]
             if size and (size >= COMMIT_SLICE or frame_run != run_id):
-                calls.append(Call(self._commit, [Keys.run(run_id)], args))
+                calls.append(Call(self.commit_script, [Keys.run(run_id)], args))
                 args, size = list(head), 0
             run_id = frame_run
             args.append(self._frame_arg(frame, None if texts is None else texts[n]))
             size += len(frame.entries)
         if size:
-            calls.append(Call(self._commit, [Keys.run(run_id)], args))
+            calls.append(Call(self.commit_script, [Keys.run(run_id)], args))
         return calls
 
     async def assign(

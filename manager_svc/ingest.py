@@ -48,7 +48,7 @@ from shared import names
 from shared.errors import ProtocolError
 from shared.names import Keys
 from shared.process import wait_event
-from shared.protocol import FrameEntry, TokenFrame, decode_frame, token_json
+from shared.protocol import FrameEntry, TokenFrame, decode, token_json
 
 log = logging.getLogger("manager")
 # Frames one pull request asks for, and how long it waits for them.
@@ -286,7 +286,7 @@ class ChunkIngest:
             msg = taken.popleft()
             subject_run = msg.subject.split(".")[2]
             try:
-                frame = decode_frame(msg.data)
+                frame = decode(msg.data, TokenFrame)
             except ProtocolError as exc:
                 self.metrics.malformed.labels(names.CHUNK_WILDCARD).inc()
                 log.warning("dropped frame: %s", str(exc)[:200])

@@ -543,18 +543,6 @@ def decode(data: bytes, kind: type[T]) -> T:
         raise ProtocolError(kind.__name__, str(exc)) from exc
 
 
-_frame_decoder = msgspec.json.Decoder(TokenFrame)
-
-
-def decode_frame(data: bytes) -> TokenFrame:
-    """:func:`decode` of a :class:`TokenFrame` (the manager decodes one per flush of every
-    instance: a decoder of its own, not a lookup of one per call)."""
-    try:
-        return _frame_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ProtocolError(TokenFrame.__name__, str(exc)) from exc
-
-
 def decode_command(data: bytes) -> Assign | Revoke:
     """What arrives on an instance's own subject: new work, or work taken away."""
     try:
