@@ -40,6 +40,7 @@ from shared.hardware import ENGINE_START_S, SPOT_BOOT_S, publish_seconds
 from shared.process import exit_on_sigterm
 from shared.protocol import RunSpec, SeedingSpec
 from shared.stack import Stack
+from sim.outcome import Outcome
 from trainer_svc.policies import PRESETS
 
 # Engine/manager settings shared by every policy. Chunks of 32 tokens keep the control plane's
@@ -88,7 +89,7 @@ class Setup:
         return float(ENV["RLBOOST_GRACE_S"]) / self.time_scale
 
 
-def run_policy(policy: Policy, setup: Setup, root: Path) -> paper_report.Outcome:
+def run_policy(policy: Policy, setup: Setup, root: Path) -> Outcome:
     serving = serving_model(setup.model)
     stack = Stack.create(root / "brokers")
     stack.start()
@@ -138,7 +139,7 @@ DURATIONS = ("step_s", "rollout_s", "train_s", "trainer_idle_s", "rollout_idle_s
 
 
 def outcome(policy: Policy, setup: Setup, records: list[dict[str, Any]], player: TracePlayer,
-            gpus: int, begin: float, deadline: float) -> paper_report.Outcome:
+            gpus: int, begin: float, deadline: float) -> Outcome:
     scale = setup.time_scale
     steps = [dict(r) for r in records if r["step"] >= 1 and r["finished_at"] <= deadline]
     if not steps:
@@ -155,8 +156,7 @@ def outcome(policy: Policy, setup: Setup, records: list[dict[str, Any]], player:
     spot_gpu_s = player.gpu_seconds(start, end, gpus, setup.grace_s * scale) / scale \
         if policy.spot else 0.0
     history = [((t - start) / scale, c) for t, c in player.history if t >= begin]
-    return paper_report.Outcome(policy.name, steps, window, setup.reserved_gpus * window,
-                                spot_gpu_s, history)
+    return Outcome(policy.name, steps, window, setup.reserved_gpus * window, spot_gpu_s, history)
 
 
 def wait_step(client: httpx.Client, run_id: str, step: int, cluster: Cluster) -> None:
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_outputs(outcomes: list[paper_report.Outcome], out: Path, title: str) -> None:
+def write_outputs(outcomes: list[Outcome], out: Path, title: str) -> None:
     """Print the table; write the plot, the table and the step records under ``out``."""
     prices = paper_report.Prices.from_env()
     rows = paper_report.table(outcomes, prices)

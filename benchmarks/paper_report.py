@@ -8,11 +8,11 @@ simulation price alike: ``RLBOOST_PRICE_ON_DEMAND_GPU_H``, ``RLBOOST_PRICE_SPOT_
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from sim.config import ON_DEMAND_GPU_H, SPOT_GPU_H
+from sim.outcome import Outcome
 
 
 @dataclass(frozen=True)
@@ -25,41 +25,8 @@ class Prices:
         return cls(float(os.environ.get("RLBOOST_PRICE_ON_DEMAND_GPU_H") or ON_DEMAND_GPU_H),
                    float(os.environ.get("RLBOOST_PRICE_SPOT_GPU_H") or SPOT_GPU_H))
 
-
-@dataclass
-class Outcome:
-    """What one policy achieved over its measured window (emulated seconds throughout)."""
-
-    policy: str
-    steps: list[dict[str, Any]]  # step records inside the window
-    window_s: float  # emulated seconds from the first measured step's start to the last's end
-    reserved_gpu_s: float
-    spot_gpu_s: float
-    spot_history: list[tuple[float, int]] = field(default_factory=list)  # (emulated t, count)
-
-    @property
-    def tokens(self) -> int:
-        return sum(int(s["tokens"]) for s in self.steps)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.window_s if self.window_s > 0 else 0.0
-
-    def dollars(self, prices: Prices) -> float:
-        return (self.reserved_gpu_s * prices.on_demand_gpu_h
-                + self.spot_gpu_s * prices.spot_gpu_h) / 3600
-
-    def tokens_per_dollar(self, prices: Prices) -> float:
-        cost = self.dollars(prices)
-        return self.tokens / cost if cost > 0 else 0.0
-
-    def total(self, key: str) -> float:
-        return sum(float(s.get(key, 0)) for s in self.steps)
-
-    @property
-    def trainer_idle_pct(self) -> float:
-        busy = self.total("step_s")
-        return 100 * self.total("trainer_idle_s") / busy if busy else 0.0
+    def tokens_per_dollar(self, outcome: Outcome) -> float:
+        return outcome.tokens_per_dollar(self.on_demand_gpu_h, self.spot_gpu_h)
 
 
 COLUMNS = ("policy", "steps", "tokens/s", "vs (a)", "tokens/$", "vs (a)", "regenerated",
@@ -71,11 +38,11 @@ def table(outcomes: list[Outcome], prices: Prices) -> list[list[str]]:
     rows = []
     for o in outcomes:
         tps = o.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
-        tpd = o.tokens_per_dollar(prices) / base.tokens_per_dollar(prices) \
-            if base.tokens_per_dollar(prices) else 0.0
+        tpd = prices.tokens_per_dollar(o) / prices.tokens_per_dollar(base) \
+            if prices.tokens_per_dollar(base) else 0.0
         mean_spot = o.spot_gpu_s / o.window_s if o.window_s else 0.0
         rows.append([o.policy, str(len(o.steps)), f"{o.tokens_per_s:,.0f}", f"{tps:.2f}x",
-                     f"{o.tokens_per_dollar(prices):,.0f}", f"{tpd:.2f}x",
+                     f"{prices.tokens_per_dollar(o):,.0f}", f"{tpd:.2f}x",
                      f"{o.total('tokens_regenerated'):,.0f}", f"{o.total('migrations'):,.0f}",
                      f"{o.trainer_idle_pct:.0f}", f"{mean_spot:.1f}"])
     return rows

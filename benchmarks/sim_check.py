@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import paper, paper_report
+from benchmarks import paper
 from shared.process import exit_on_sigterm
 from sim.config import ABLATIONS, RESERVED_ONLY, RLBOOST, Cluster, Costs, Policy, Workload
 from sim.outcome import Outcome, simulate
@@ -73,7 +73,7 @@ class Calibration:
     report_s: float = 0.0
 
     @classmethod
-    def latencies(cls, base: paper_report.Outcome) -> Calibration:
+    def latencies(cls, base: Outcome) -> Calibration:
         """The latencies of reserved-only steps: the trainer idles through the rollout and
         then waits for the barrier; the rest of the step is outside its clock."""
         n = len(base.steps)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if letter(chosen[0]) != "a":
         raise SystemExit("the check needs policy a first: it calibrates the host time on it")
     print(title.replace("\n", " "), flush=True)
-    emulated: dict[str, paper_report.Outcome] = {}
+    emulated: dict[str, Outcome] = {}
     started = time.monotonic()
     for policy in chosen:
         with tempfile.TemporaryDirectory(prefix="rlboost-simcheck-") as tmp:

@@ -16,13 +16,16 @@ from sim.simulator import Simulator
 
 @dataclass
 class Outcome:
+    """What one policy achieved over its measured span; ``make bench-paper`` measures the
+    services' emulated runs into the same shape, so both are priced and tabled alike."""
+
     policy: str
-    steps: list[dict[str, Any]]
-    window_s: float
+    steps: list[dict[str, Any]]  # step records inside the span
+    window_s: float  # from the first measured step's start to the last one's end
     reserved_gpu_s: float
     spot_gpu_s: float
-    spot_history: list[tuple[float, int]] = field(default_factory=list)
-    events: int = 0
+    spot_history: list[tuple[float, int]] = field(default_factory=list)  # (t, spot count)
+    events: int = 0  # simulator events processed (0 for an emulated run)
 
     @property
     def tokens(self) -> int:
@@ -40,13 +43,21 @@ class Outcome:
                 spot_gpu_h: float = SPOT_GPU_H) -> float:
         return (self.reserved_gpu_s * on_demand_gpu_h + self.spot_gpu_s * spot_gpu_h) / 3600
 
-    def tokens_per_dollar(self) -> float:
-        cost = self.dollars()
+    def tokens_per_dollar(self, on_demand_gpu_h: float = ON_DEMAND_GPU_H,
+                          spot_gpu_h: float = SPOT_GPU_H) -> float:
+        cost = self.dollars(on_demand_gpu_h, spot_gpu_h)
         return self.tokens / cost if cost > 0 else 0.0
 
+    def total(self, key: str) -> float:
+        return sum(float(s.get(key, 0.0)) for s in self.steps)
+
     def mean(self, key: str) -> float:
-        return sum(float(s.get(key, 0.0)) for s in self.steps) / len(self.steps) \
-            if self.steps else 0.0
+        return self.total(key) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def trainer_idle_pct(self) -> float:
+        busy = self.total("step_s")
+        return 100 * self.total("trainer_idle_s") / busy if busy else 0.0
 
 
 @dataclass
