@@ -137,7 +137,3 @@ class Cluster:
     spot_counts: list[int] = field(default_factory=lambda: [0])  # spot instances from each time
     spot_join_at_start: bool = True  # the count at t=0 is up (and holds weights) at the start
     trace_length_s: float = 0.0  # the trace loops after this; 0: after its last change
-
-    @property
-    def reserved_instances(self) -> int:
-        return self.reserved_gpus  # divided by the model's TP degree by the simulator

@@ -98,7 +98,3 @@ def chunks_of(manifest: Manifest) -> list[Chunk]:
         for c in f["chunks"]:
             out.append(Chunk(len(out), f["name"], c["offset"], c["size"], c["sha256"]))
     return out
-
-
-def total_bytes(manifest: Manifest) -> int:
-    return sum(f["size"] for f in manifest["files"])
