@@ -39,7 +39,6 @@ from manager_svc.events import InstanceEvents
 from manager_svc.ingest import ChunkIngest
 from manager_svc.leader import Leadership, replica_id
 from manager_svc.metrics import ManagerMetrics
-from manager_svc.migrate import migrate
 from manager_svc.registry import Registry
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -98,7 +97,6 @@ class ManagerService:
 
     async def start(self) -> None:
         self.redis = await connect_redis(self.cfg.common.redis_url)
-        await migrate(self.redis)  # keys an earlier release wrote: to their tagged names first
         self.nc = await connect_nats(self.cfg.common.nats_url, "manager")
         self.auth = await ChunkAuth.load(self.redis)
         self._wire()
