@@ -101,7 +101,8 @@ chaos: venv
 	RLBOOST_CHAOS_FAULTS=$(FAULTS) $(PYTEST) -s tests/system/test_faults.py -k faulted_run
 
 .PHONY: bench-paper-sim
-# The paper's figure set at the paper's scale in the simulator: docs/results/ + README results
+# The paper's figure set at the paper's scale in the simulator: docs/results/ and the page
+# docs/results-simulated.md
 bench-paper-sim: venv
 	$(BIN)/python -m benchmarks.paper_sim
 
