@@ -110,3 +110,8 @@ bench-paper-sim: venv
 # Step time and peak memory per rank: the replicated trainer vs FSDP2, 1 and 2 ranks
 bench-trainer: venv
 	$(BIN)/python -m benchmarks.trainer
+
+.PHONY: docs
+# The documentation site (mkdocs.yml, pages under docs/) into site/; any warning fails it
+docs: venv
+	$(BIN)/mkdocs build --strict --site-dir site
