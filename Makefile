@@ -101,7 +101,8 @@ chaos: venv
 	RLBOOST_CHAOS_FAULTS=$(FAULTS) $(PYTEST) -s tests/system/test_faults.py -k faulted_run
 
 .PHONY: bench-paper-sim
-# The paper's figure set at the paper's scale in the simulator: docs/results/ + README results
+# The paper's figure set at the paper's scale in the simulator: docs/results/ and the page
+# docs/results-simulated.md
 bench-paper-sim: venv
 	$(BIN)/python -m benchmarks.paper_sim
 
@@ -109,3 +110,8 @@ bench-paper-sim: venv
 # Step time and peak memory per rank: the replicated trainer vs FSDP2, 1 and 2 ranks
 bench-trainer: venv
 	$(BIN)/python -m benchmarks.trainer
+
+.PHONY: docs
+# The documentation site (mkdocs.yml, pages under docs/) into site/; any warning fails it
+docs: venv
+	$(BIN)/mkdocs build --strict --site-dir site

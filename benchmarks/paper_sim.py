@@ -10,13 +10,15 @@ configuration simulates a 2-hour segment of a real spot trace after one warm-up 
 * costs: :meth:`sim.config.Costs.paper` (true-context decode, memory-bound batch, publish,
   spot boot + engine start, contended weight egress, billing through a 120 s grace).
 
-Writes ``docs/results/paper-sim.md`` and ``sim-*.png``, and regenerates the README's results
-section between its ``paper-sim`` markers.
+Writes ``docs/results/paper-sim.md`` and ``sim-*.png``, and regenerates the results page
+(``docs/results-simulated.md``, on the documentation site) between its ``paper-sim`` markers;
+each file's figure links are relative to that file, so both render where they stand.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -48,7 +50,12 @@ RATIOS = [0.5, 1.0, 2.0]
 # A trace with sharp capacity changes for the seeding controller: 8 -> 2 -> 12 -> 4 spot.
 SHARP = ([0.0, 2400.0, 4800.0, 7200.0], [8, 2, 12, 4])
 SWEEP = [0.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0, 600.0]
-README_BEGIN, README_END = "<!-- paper-sim:begin -->", "<!-- paper-sim:end -->"
+PAGE_BEGIN, PAGE_END = "<!-- paper-sim:begin -->", "<!-- paper-sim:end -->"
+FIGURES = [("throughput and tokens per $", "sim-headline.png"),
+           ("spot capacity", "sim-sensitivity.png"), ("ablations", "sim-ablations.png"),
+           ("time breakdown", "sim-breakdown.png"),
+           ("seeding window vs hindsight", "sim-seeding.png"),
+           ("response lengths", "sim-lengths.png")]
 
 
 def cluster_for(trace: str, model: str, ratio: float) -> Cluster:
@@ -89,7 +96,8 @@ def versus(r: Result, base: Result) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
-    parser.add_argument("--readme", type=Path, default=Path("README.md"))
+    parser.add_argument("--results-page", type=Path, default=Path("docs/results-simulated.md"),
+                        help="the page whose paper-sim section is regenerated")
     parser.add_argument("--steps", type=int, default=16, help="steps of the seeding comparison")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -110,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([model, trace, f"{ratio:g}", f"{boost.outcome.step_s:,.0f}",
                      f"{boost.outcome.tokens_per_s:,.0f}", f"{tps:.2f}x", f"{tpd:.2f}x",
                      f"{boost.of_ideal:.2f}", f"{base.of_ideal:.2f}"])
-    sections.append("### Throughput and tokens per $ vs reserved-only\n\n" + md_table(
+    sections.append("## Throughput and tokens per $ vs reserved-only\n\n" + md_table(
         ["model", "trace", "spot:reserved", "step s", "tokens/s", "throughput vs reserved",
          "tokens/$ vs reserved", "rlboost / ideal", "reserved-only / ideal"], rows))
     plots.headline(grid, MODELS, TRACES, args.out / "sim-headline.png")
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{o.mean('spot_first_s'):,.0f}" if r.spot_mean else "-",
                      f"{o.mean('migrations'):,.0f}", f"{o.mean('tokens_regenerated'):,.0f}",
                      f"{r.of_ideal:.2f}"])
-    sections.append("### Ablations (8B, p3, spot:reserved 1)\n\n" + md_table(
+    sections.append("## Ablations (8B, p3, spot:reserved 1)\n\n" + md_table(
         ["policy", "steps", "step s", "throughput", "tokens/$", "window s",
          "first spot token s", "migrations/step", "tokens regenerated/step", "of ideal"], rows))
     sections.append(loss_note(boost))
@@ -146,11 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     plots.lengths(Workload.reasoning(), args.out / "sim-lengths.png")
     print(f"  seeding: done ({time.monotonic() - started:.0f}s)", flush=True)
 
-    body = "\n\n".join([intro(), *sections])
-    (args.out / "paper-sim.md").write_text(body + "\n")
-    print(body)
-    replace_readme(args.readme, body)
-    print(f"\nwrote {args.out}/paper-sim.md, sim-*.png and {args.readme}'s results section "
+    def body(where: Path) -> str:
+        return "\n\n".join([intro(figures_from(where, args.out)), *sections])
+
+    (args.out / "paper-sim.md").write_text(body(args.out) + "\n")
+    print(body(args.out))
+    replace_section(args.results_page, body(args.results_page.parent))
+    print(f"\nwrote {args.out}/paper-sim.md, sim-*.png and {args.results_page}'s results section "
           f"({time.monotonic() - started:.0f}s in all)")
     return 0
 
@@ -177,7 +187,7 @@ def seeding_section(compared: list[StepCompare]) -> str:
             for c in compared]
     total = sum(c.step_s for c in compared) / sum(c.best_step_s for c in compared) - 1
     warm = sum(c.step_s for c in compared[1:]) / sum(c.best_step_s for c in compared[1:]) - 1
-    return ("### Seeding controller vs the per-step hindsight-best window (8B, spot 8 -> 2 -> "
+    return ("## Seeding controller vs the per-step hindsight-best window (8B, spot 8 -> 2 -> "
             "12 -> 4 every 40 min)\n\n"
             + md_table(["step", "spot", "window s", "best window s", "step s", "best step s",
                         "loss"], rows)
@@ -186,7 +196,13 @@ def seeding_section(compared: list[StepCompare]) -> str:
             f"**{100 * warm:.1f} %** (goal: at most 5 %).")
 
 
-def intro() -> str:
+def figures_from(folder: Path, out: Path) -> str:
+    """The prefix that reaches the figures in ``out`` from a file in ``folder``."""
+    rel = Path(os.path.relpath(out, folder)).as_posix()
+    return "" if rel == "." else f"{rel}/"
+
+
+def intro(figures: str) -> str:
     return (
         "**SIMULATION** (`make bench-paper-sim`, `sim/`): the manager's own seeding and "
         "placement code on simulated time; `make bench-sim-check` compares it with the "
@@ -205,21 +221,16 @@ def intro() -> str:
         "(sources in `sim/config.py`, `shared/hardware.py`).\n"
         "- Ideal: per step the larger of the work bound and the critical-path bound "
         "(`sim/ideal.py`); a policy's fraction of ideal is ideal step time / its step time.\n\n"
-        "![throughput and tokens per $](docs/results/sim-headline.png)\n"
-        "![spot capacity](docs/results/sim-sensitivity.png)\n"
-        "![ablations](docs/results/sim-ablations.png)\n"
-        "![time breakdown](docs/results/sim-breakdown.png)\n"
-        "![seeding window vs hindsight](docs/results/sim-seeding.png)\n"
-        "![response lengths](docs/results/sim-lengths.png)")
+        + "\n".join(f"![{alt}]({figures}{name})" for alt, name in FIGURES))
 
 
-def replace_readme(path: Path, body: str) -> None:
+def replace_section(path: Path, body: str) -> None:
     text = path.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise SystemExit(f"{path}: no {README_BEGIN} ... {README_END} section to regenerate")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    path.write_text(f"{head}{README_BEGIN}\n{body}\n{README_END}{tail}")
+    if PAGE_BEGIN not in text or PAGE_END not in text:
+        raise SystemExit(f"{path}: no {PAGE_BEGIN} ... {PAGE_END} section to regenerate")
+    head, rest = text.split(PAGE_BEGIN, 1)
+    _, tail = rest.split(PAGE_END, 1)
+    path.write_text(f"{head}{PAGE_BEGIN}\n{body}\n{PAGE_END}{tail}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ fi
 
 # The sharded trainer on nccl first (needs no model and no SGLang): FSDP2 on min(GPUs, 2)
 # ranks, one GPU each (nccl refuses two ranks on one device), vs the replicated trainer on one
-# GPU: step time and torch's peak allocated memory per rank, printed for the README.
+# GPU: step time and torch's peak allocated memory per rank, printed for the FSDP2 figures of
+# docs/preemption-seeding-scale.md.
 GPUS=$(nvidia-smi -L | wc -l)
 RANKS=$(( GPUS >= 2 ? 2 : 1 ))
 echo "gpu-check: FSDP2 with nccl on $RANKS rank(s)"

@@ -4,7 +4,7 @@ The names are the design's interface (compose files, docs and tests use them ver
 RLBOOST_NATS_URL, RLBOOST_REDIS_URL, RLBOOST_MANAGER_URL, RLBOOST_WEIGHTS_URL, RLBOOST_API_TOKEN,
 RLBOOST_ENGINE, RLBOOST_INSTANCE_KIND, RLBOOST_DATA_DIR, RLBOOST_INSTANCE_ID. The tuning knobs
 below them have defaults that suit one machine. Each field names its variable and says what it
-does; the README's settings table lists them all (a test holds the two together).
+does; the settings page (docs/settings.md) lists them all (a test holds the two together).
 
 ``XConfig.from_env(env)`` reads ``env`` (default os.environ) and raises ConfigError naming the
 first bad variable; credentials are ``SecretStr`` (:func:`shared.settings.reveal` where one is
@@ -317,7 +317,7 @@ class WeightsConfig(Settings):
         return self.common.weights_read_token
 
 
-# Every settings class by the service(s) that read it: the README's settings table, row source.
+# Every settings class by the service(s) that read it: docs/settings.md's table, row source.
 SETTINGS: dict[str, type[Settings]] = {
     "all": Common,
     "manager": ManagerConfig,

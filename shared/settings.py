@@ -47,7 +47,7 @@ _environment: ContextVar[Mapping[str, str] | None] = ContextVar("rlboost_env", d
 
 def setting(env: str, default: Any, doc: str, *, fallback: str | None = None, **rules: Any) -> Any:
     """A field read from ``env`` (else ``fallback``, else ``default``); ``doc`` says what it does
-    (the README's settings table carries it too); ``rules`` are pydantic constraints (ge=...)."""
+    (docs/settings.md's table carries it too); ``rules`` are pydantic constraints (ge=...)."""
     alias: str | AliasChoices = env if fallback is None else AliasChoices(env, fallback)
     return Field(default, validation_alias=alias, description=doc, **rules)
 

@@ -33,7 +33,7 @@ def test_p3_counts_replay_the_event_log() -> None:
         assert trace.count_at(at) == count, at
     assert trace.count_at(trace.length_s + 1) == len(alive)
     assert max(trace.counts) == 32 and min(trace.counts) >= 0
-    assert 11 * 3600 < trace.length_s < 12 * 3600  # the README's ~11.4 h
+    assert 11 * 3600 < trace.length_s < 12 * 3600  # traces/README.md's ~11.4 h
     assert all(a < b for a, b in zip(trace.times, trace.times[1:], strict=False))
     assert all(a != b for a, b in zip(trace.counts, trace.counts[1:], strict=False))
 

@@ -1,4 +1,4 @@
-"""Settings (shared.config on shared.settings): the names, the rules, the masking, the README.
+"""Settings (shared.config on shared.settings): the names, the rules, the masking, the docs.
 
 No processes: each class reads an injected mapping. What the whole stack logs with real
 credentials is tests/system/test_secrets_in_logs.py.
@@ -25,7 +25,7 @@ from shared.errors import ConfigError
 from shared.identity import new_account_seed, new_user_seed
 from shared.settings import PREFIX, env_names, mask_url, reveal
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SETTINGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 NATS = "nats://manager:n4ts-pw@127.0.0.1:4222"
 REDIS = "redis://:r3dis-pw@127.0.0.1:6379/0"
 
@@ -36,21 +36,21 @@ def every_setting() -> dict[str, str]:
             for field in cls.model_fields.values() if env_names(field)}
 
 
-def readme_table() -> dict[str, str]:
-    """The README's settings table: variable -> the "read by" column."""
-    section = README.read_text().split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(RLBOOST_[A-Z0-9_]+)` \| ([^|]+) \|", section, re.MULTILINE)
+def settings_page_table() -> dict[str, str]:
+    """The settings page's table (docs/settings.md): variable -> the "read by" column."""
+    rows = re.findall(r"^\| `(RLBOOST_[A-Z0-9_]+)` \| ([^|]+) \|", SETTINGS_PAGE.read_text(),
+                      re.MULTILINE)
     return {name: service.strip() for name, service in rows}
 
 
-def test_readme_table_lists_every_setting_and_no_other() -> None:
+def test_settings_page_lists_every_setting_and_no_other() -> None:
     names = every_setting()
     assert "RLBOOST_NATS_URL" in names and "RLBOOST_PEER_PORT" in names  # the walk works
-    table = readme_table()
+    table = settings_page_table()
     missing, unknown = names.keys() - table, table.keys() - names
-    assert not missing, f"settings missing from README's table: {missing}"
-    assert not unknown, f"README's table lists settings no class reads: {unknown}"
-    assert table == names, "the README's 'read by' column disagrees with shared.config.SETTINGS"
+    assert not missing, f"settings missing from the settings page's table: {missing}"
+    assert not unknown, f"the settings page's table lists settings no class reads: {unknown}"
+    assert table == names, "the page's 'read by' column disagrees with shared.config.SETTINGS"
 
 
 def test_every_name_has_the_prefix_and_a_meaning() -> None:
