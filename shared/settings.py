@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Self, get_args
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import AliasChoices, Field, GetCoreSchemaHandler, SecretStr, ValidationError
+from pydantic import Field, GetCoreSchemaHandler, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import CoreSchema, core_schema
 from pydantic_settings import (
@@ -45,20 +45,17 @@ MASK = "***"
 _environment: ContextVar[Mapping[str, str] | None] = ContextVar("rlboost_env", default=None)
 
 
-def setting(env: str, default: Any, doc: str, *, fallback: str | None = None, **rules: Any) -> Any:
-    """A field read from ``env`` (else ``fallback``, else ``default``); ``doc`` says what it does
-    (docs/settings.md's table carries it too); ``rules`` are pydantic constraints (ge=...)."""
-    alias: str | AliasChoices = env if fallback is None else AliasChoices(env, fallback)
-    return Field(default, validation_alias=alias, description=doc, **rules)
+def setting(env: str, default: Any, doc: str, **rules: Any) -> Any:
+    """A field read from ``env`` (else ``default``); ``doc`` says what it does (docs/settings.md's
+    table carries it too); ``rules`` are pydantic constraints (ge=...)."""
+    return Field(default, validation_alias=env, description=doc, **rules)
 
 
 def env_names(field: FieldInfo) -> tuple[str, ...]:
-    """The variables a field is read from, first choice first; () for a nested part."""
+    """The variable a field is read from, as a one-name tuple; () for a nested part."""
     alias = field.validation_alias
     if isinstance(alias, str):
         return (alias,)
-    if isinstance(alias, AliasChoices):
-        return tuple(str(choice) for choice in alias.choices)
     return ()
 
 
