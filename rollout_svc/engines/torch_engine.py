@@ -11,6 +11,9 @@ committed tokens), prefilled together, and then decoded one token per ``step()``
 that finishes or is aborted stays in the batch as padding, emitting nothing, until the whole
 wave is done; requests added meanwhile wait for the next wave. Continuous batching would need
 per-row cache surgery, which a CPU engine for small models does not earn.
+
+The draw, the prefill and the decode step are :mod:`shared.generation`'s, the one sampler the
+trainer's eval and self-checks run too; this module schedules them and keeps the requests.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rollout_svc.engines.base import (
     EngineError,
@@ -36,27 +39,17 @@ from rollout_svc.engines.base import (
     generation_eos_ids,
     with_stops,
 )
-from shared.sampling import pick, uniform
+from shared.generation import Batch, DrawKey, decode, prefill, sample_token
 
 # Config keys that differ between two saves of the same architecture and must not force a
 # full reload when they do.
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 
 
-def sample_token(logits: torch.Tensor, req: GenRequest, position: int) -> int:
-    """The keyed draw of the design: inverse CDF of softmax(logits / T) in float64 on the CPU."""
-    row = logits.detach().to(device="cpu", dtype=torch.float64)
-    if req.temperature == 0:
-        return int(torch.argmax(row).item())  # first maximum on ties, like every argmax here
-    probs = torch.softmax(row / req.temperature, dim=-1)
-    cumulative: list[float] = torch.cumsum(probs, dim=-1).tolist()
-    u = uniform(req.seed, req.step, req.prompt_index, req.sample_index, position)
-    return pick(cumulative, u)
-
-
 @dataclass(slots=True)
 class _Row:
     req: GenRequest
+    key: DrawKey  # the request's sampling key
     position: int  # response position of the token this row samples next
     done: bool = False  # finished or aborted: padding until the wave ends
 
@@ -64,10 +57,7 @@ class _Row:
 @dataclass(slots=True)
 class _Wave:
     rows: list[_Row]
-    cache: DynamicCache
-    mask: torch.Tensor  # (B, T) attention mask over everything fed so far, pads are 0
-    next_pos: torch.Tensor  # (B,) position id of the token each row feeds next
-    last: torch.Tensor  # (B,) the token each row feeds next (its last sampled one)
+    batch: Batch  # the rows' KV cache, mask, positions and last tokens
 
 
 class TorchEngine:
@@ -209,47 +199,15 @@ class TorchEngine:
     def _prefill(self) -> list[TokenEvent]:
         reqs = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
         seqs = [r.prompt_token_ids + r.committed_token_ids for r in reqs]
-        width = max(len(s) for s in seqs)
-        # Left padding keeps every row's last token in the last column, where logits are read.
-        pad = [width - len(s) for s in seqs]
-        dev = self.device
-        ids = torch.tensor([[0] * p + s for p, s in zip(pad, seqs, strict=True)], device=dev)
-        mask = torch.tensor(
-            [[0] * p + [1] * len(s) for p, s in zip(pad, seqs, strict=True)], device=dev
-        )
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self._model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=DynamicCache(),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        rows = [_Row(r, len(r.committed_token_ids)) for r in reqs]
-        self._wave = _Wave(
-            rows=rows,
-            cache=out.past_key_values,
-            mask=mask,
-            next_pos=mask.sum(-1),
-            last=torch.zeros(len(rows), dtype=torch.long, device=dev),
-        )
-        return self._sample(out.logits[:, -1, :])
+        logits, batch = prefill(self._model, seqs, self.device)
+        rows = [_Row(r, _key(r), len(r.committed_token_ids)) for r in reqs]
+        self._wave = _Wave(rows, batch)
+        return self._sample(logits)
 
     def _decode(self) -> list[TokenEvent]:
         wave = self._wave
         assert wave is not None
-        wave.mask = torch.cat([wave.mask, wave.mask.new_ones(len(wave.rows), 1)], dim=1)
-        out = self._model(
-            input_ids=wave.last[:, None],
-            attention_mask=wave.mask,
-            position_ids=wave.next_pos[:, None],
-            past_key_values=wave.cache,
-            use_cache=True,
-        )
-        wave.cache = out.past_key_values
-        wave.next_pos = wave.next_pos + 1
-        return self._sample(out.logits[:, -1, :])
+        return self._sample(decode(self._model, wave.batch))
 
     def _sample(self, logits: torch.Tensor) -> list[TokenEvent]:
         wave = self._wave
@@ -258,14 +216,18 @@ class TorchEngine:
         for i, row in enumerate(wave.rows):
             if row.done:
                 continue  # padding: its logits are computed and ignored
-            token = sample_token(logits[i], row.req, row.position)
+            token = sample_token(logits[i], row.req.temperature, row.key, row.position)
             reason = finish_reason(row.req, token, row.position)
             events.append(
                 TokenEvent(row.req.request_id, token, row.position, reason is not None, reason)
             )
-            wave.last[i] = token
+            wave.batch.last[i] = token
             row.position += 1
             row.done = reason is not None
         if all(r.done for r in wave.rows):
             self._wave = None
         return events
+
+
+def _key(req: GenRequest) -> DrawKey:
+    return DrawKey(req.seed, req.step, req.prompt_index, req.sample_index)

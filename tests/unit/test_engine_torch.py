@@ -19,6 +19,7 @@ from rollout_svc.engines import (
     torch_engine,
 )
 from rollout_svc.engines.torch_engine import TorchEngine
+from shared.generation import DrawKey
 
 VOCAB = 16
 EOS = 15
@@ -138,9 +139,9 @@ def test_cached_batched_logits_equal_unbatched_full_forward(
     seen: dict[tuple[str, int], torch.Tensor] = {}
     real = torch_engine.sample_token
 
-    def recording(logits: torch.Tensor, req: GenRequest, position: int) -> int:
-        seen[(req.request_id, position)] = logits.clone()
-        return real(logits, req, position)
+    def recording(logits: torch.Tensor, temperature: float, key: DrawKey, position: int) -> int:
+        seen[(f"r{key.prompt_index}", position)] = logits.clone()  # _req(i) keys prompt i
+        return real(logits, temperature, key, position)
 
     monkeypatch.setattr(torch_engine, "sample_token", recording)
     reqs = [_req(i, max_new_tokens=10) for i in range(5)]
