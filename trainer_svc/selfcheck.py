@@ -10,8 +10,9 @@ the transport, so a regression here is a regression there.
 The check passes when the mean reward of the last ``window`` steps beats the first
 ``window`` steps by at least ``min_gain``. Run it with ``python -m trainer_svc.selfcheck``
 (``--seeds 0 1 2 3``, ``--data-dir``); it prints one line per seed and exits non-zero on
-failure. Sampling uses its own ``torch.Generator`` seeded from the run seed, so a run is
-reproducible and leaves the global RNG alone.
+failure. Sampling is the rollout's keyed draw (:func:`shared.generation.generate`), keyed by
+(seed, step, prompt, sample, position) as a run's rollout is, so a run is reproducible and
+leaves the global RNG alone.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from shared.generation import DrawKey, generate
 from trainer_svc import grpo, task
-from trainer_svc.model import build_tiny, load_policy, sample
+from trainer_svc.model import build_tiny, load_policy
 
 DEFAULT_WINDOW = 5
 DEFAULT_MIN_GAIN = 0.10
@@ -69,15 +71,16 @@ def run_rl(
     """Train ``model`` in place with GRPO for ``steps`` steps; returns per-step mean rewards."""
     trainer = grpo.make_trainer(model, learning_rate, max_new_tokens, prompts_per_step,
                                 task.PAD_ID)
-    gen = torch.Generator().manual_seed(seed)
     result = SelfCheckResult(seed=seed, window=window)
     started = time.perf_counter()
     for step in range(steps):
         prompts = task.make_prompts(seed, step, prompts_per_step)
         # One batched sampling call for the whole step; groups are consecutive rows.
         flat = [p for p in prompts for _ in range(samples_per_prompt)]
+        keys = [DrawKey(seed, step, g, j) for g in range(len(prompts))
+                for j in range(samples_per_prompt)]
         model.eval()
-        responses = sample(model, flat, max_new_tokens, 1.0, gen)
+        responses = generate(model, flat, max_new_tokens, 1.0, [task.EOS_ID], keys, task.PAD_ID)
         model.train()
         rewards = [task.reward(p, r) for p, r in zip(flat, responses, strict=True)]
         grpo.train_step(trainer, flat, responses, rewards, samples_per_prompt, {task.EOS_ID},

@@ -2,13 +2,14 @@
 
 Each RL step draws ``prompts_per_step`` problems from the train split with
 ``PromptDataset.draw(seed, step, n)``, renders them through the chat template, samples
-``samples_per_prompt`` responses per prompt at temperature 1 with a KV cache, decodes them
+``samples_per_prompt`` responses per prompt at temperature 1 with the rollout's keyed draw
+(:func:`shared.generation.generate`, keyed by seed, step, prompt and sample), decodes them
 (special tokens skipped), scores them with the ``math`` reward in its worker processes
 (:class:`~trainer_svc.scorer.RewardScorer`), feeds every group to the trainer's
 :class:`~trainer_svc.step_trainer.StepTrainer` with GRPO's defaults (:func:`trainer_svc.grpo.
 train_step`) and takes one optimizer step. Eval samples one
-response per held-out prompt, at the same temperature, before the first step, every
-``eval_every`` steps and after the last.
+response per held-out prompt, at the same temperature and with the same draws each time,
+before the first step, every ``eval_every`` steps and after the last.
 
 Problems come from :mod:`trainer_svc.word_problems` (the text of ``examples/data/``), or from
 ``--train-file``/``--eval-file`` through :func:`trainer_svc.data.load_prompts`.
@@ -34,7 +35,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from trainer_svc import grpo, sampler, word_problems
+from shared.generation import DrawKey, generate
+from trainer_svc import grpo, word_problems
 from trainer_svc.chat import ChatFormat, eos_token_ids
 from trainer_svc.data import DatasetSpec, PromptDataset, load_prompts
 from trainer_svc.model import load_policy
@@ -49,6 +51,9 @@ DEFAULT_LEARNING_RATE = 2e-4
 DEFAULT_EVAL_EVERY = 10
 DEFAULT_WINDOW = 5
 DEFAULT_MIN_GAIN = 0.10
+# Eval draws at a step no training sample draws at (theirs count from 0), the same each time,
+# so two evals differ by the policy only.
+EVAL_STEP = -1
 
 
 @dataclass(slots=True)
@@ -84,8 +89,8 @@ def problems_dataset(problems: list[word_problems.Problem], name: str) -> Prompt
 class ChatRL:
     """The model, tokenizer, chat format and reward of one run, and its step and eval."""
 
-    def __init__(self, model_dir: Path, scorer: RewardScorer, seed: int,
-                 learning_rate: float, max_new_tokens: int) -> None:
+    def __init__(self, model_dir: Path, scorer: RewardScorer, learning_rate: float,
+                 max_new_tokens: int) -> None:
         self.model = load_policy(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.chat = ChatFormat(self.tokenizer)
@@ -97,7 +102,6 @@ class ChatRL:
         # One mini-batch: every group streams, whatever the step's prompt count.
         self.trainer = grpo.make_trainer(self.model, learning_rate, max_new_tokens, 1,
                                          self.pad_id)
-        self.gen = torch.Generator().manual_seed(seed)
         self._ids: dict[str, list[int]] = {}
 
     def _prompt_ids(self, prompt: str) -> list[int]:
@@ -105,12 +109,12 @@ class ChatRL:
             self._ids[prompt] = self.chat.render(prompt).prompt_token_ids
         return self._ids[prompt]
 
-    async def _rollout(self, items: list[tuple[str, str | None]], gen: torch.Generator
+    async def _rollout(self, items: list[tuple[str, str | None]], keys: list[DrawKey]
                        ) -> tuple[list[list[int]], list[list[int]], list[float], int]:
         prompts = [self._prompt_ids(p) for p, _ in items]
         self.model.eval()
-        responses = sampler.sample(self.model, prompts, self.max_new_tokens, 1.0,
-                                   self.eos_ids, self.pad_id, gen)
+        responses = generate(self.model, prompts, self.max_new_tokens, 1.0, self.eos_ids, keys,
+                             self.pad_id)
         texts = [self.chat.decode(r) for r in responses]
         rewards, errors = await self.scorer.score_many(
             [(p, t, a) for (p, a), t in zip(items, texts, strict=True)]
@@ -122,7 +126,8 @@ class ChatRL:
         """One GRPO step; returns the mean train reward and the reward errors."""
         drawn = data.draw(seed, step, n)
         items = [(e.prompt, e.answer) for e in drawn for _ in range(group)]
-        prompts, responses, rewards, errors = await self._rollout(items, self.gen)
+        keys = [DrawKey(seed, step, g, j) for g in range(len(drawn)) for j in range(group)]
+        prompts, responses, rewards, errors = await self._rollout(items, keys)
         self.model.train()
         grpo.train_step(self.trainer, prompts, responses, rewards, group, self.eos_ids,
                         grpo.learning_rate_at(step, self.learning_rate))
@@ -130,10 +135,9 @@ class ChatRL:
         return statistics.fmean(rewards), errors
 
     async def evaluate(self, data: PromptDataset, seed: int) -> float:
-        # The same draws at every eval, so before/after differ by the policy only.
-        gen = torch.Generator().manual_seed(seed + 7_000_003)
         items = [(e.prompt, e.answer) for e in data.examples()]
-        _, _, rewards, _ = await self._rollout(items, gen)
+        keys = [DrawKey(seed, EVAL_STEP, i, 0) for i in range(len(items))]
+        _, _, rewards, _ = await self._rollout(items, keys)
         return statistics.fmean(rewards)
 
 
@@ -162,7 +166,7 @@ async def check_seed(
     result.build_s = time.perf_counter() - started
     train_ds, eval_ds = datasets or default_splits()
     async with RewardScorer("math") as scorer:
-        rl = ChatRL(model_dir, scorer, seed, learning_rate, max_new_tokens)
+        rl = ChatRL(model_dir, scorer, learning_rate, max_new_tokens)
         wall, cpu = time.perf_counter(), time.process_time()
         for step in range(steps):
             if step % eval_every == 0:

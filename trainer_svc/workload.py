@@ -21,6 +21,8 @@ Contract:
 - ``evaluate(step, model_dir)`` is due every ``eval.every`` steps (step 0 included): one
   response per held-out prompt, sampled at the run's temperature from the weights of version
   ``step`` as published (the model is not trained on them), scored like training samples.
+  Sampling is :func:`shared.generation.generate`, the rollout's keyed draw, at keys no
+  training sample uses (:func:`eval_key`): an eval is a pure function of the weights.
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
+from shared.generation import DrawKey, generate
 from shared.protocol import RunSpec
-from trainer_svc import sampler, task
+from trainer_svc import task
 from trainer_svc.chat import ChatFormat, ChatFormatError, eos_token_ids
 from trainer_svc.data import DatasetError, DatasetSpec, PromptDataset, load_prompts
 from trainer_svc.errors import RunSpecError
@@ -43,8 +44,6 @@ from trainer_svc.rewards import BUILTIN_REWARDS, RewardNameError
 from trainer_svc.scorer import RewardScorer, RewardWorkerError
 
 TokenReward = Callable[[list[int], list[int]], float]
-# Eval draws differ from every training draw (those are keyed by step, from 0 up).
-EVAL_SEED_OFFSET = 7_000_003
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,12 +194,18 @@ class DatasetWorkload:
 
         model = load_policy(model_dir).eval()
         pad = int(getattr(model.config, "pad_token_id", None) or 0)
-        gen = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + step + EVAL_SEED_OFFSET)
-        return sampler.sample(model, [p.token_ids for p in items], self.spec.max_new_tokens,
-                              self.spec.temperature, self.eos_ids, pad, gen)
+        return generate(model, [p.token_ids for p in items], self.spec.max_new_tokens,
+                        self.spec.temperature, self.eos_ids,
+                        [eval_key(self.spec.seed, step, i) for i in range(len(items))], pad)
 
     async def close(self) -> None:
         await self.scorer.close()
+
+
+def eval_key(seed: int, step: int, index: int) -> DrawKey:
+    """The draw of held-out prompt ``index`` at the eval of ``step``: keyed like a rollout's,
+    at step ``-1 - step``, which no training sample draws at (their steps count from 0)."""
+    return DrawKey(seed, -1 - step, index, 0)
 
 
 async def open_workload(spec: RunSpec, data_dir: Path, reward_path: Sequence[str],

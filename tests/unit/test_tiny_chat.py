@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer_svc import sampler
+from shared.generation import DrawKey, generate
 from trainer_svc import tiny_chat as tc
 from trainer_svc.chat import ChatFormat, eos_token_ids
 
@@ -101,13 +101,16 @@ def test_batched_sampling_matches_one_prompt_at_a_time(built: tuple[Path, Path])
     prompts = [chat.render(p).prompt_token_ids for p in
                ("Tom has 2 cards.", "Lucy had 14 shells and lost 5 of them. How many are left?")]
     assert len(prompts[0]) != len(prompts[1])  # left padding is exercised
-    batched = sampler.sample(model, prompts, 8, 0.0, [2, 0], 0)
-    alone = [sampler.sample(model, [p], 8, 0.0, [2, 0], 0)[0] for p in prompts]
+    keys = [DrawKey(5, 0, i, 0) for i in range(len(prompts))]
+    batched = generate(model, prompts, 8, 0.0, [2, 0], keys)
+    alone = [generate(model, [p], 8, 0.0, [2, 0], [k])[0]
+             for p, k in zip(prompts, keys, strict=True)]
     assert batched == alone
-    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert (sampler.sample(model, prompts * 4, 8, 1.0, [2, 0], 0, g1)
-            == sampler.sample(model, prompts * 4, 8, 1.0, [2, 0], 0, g2))
-    for response in batched:
+    sampled = generate(model, prompts * 4, 8, 1.0, [2, 0], keys * 4)
+    assert sampled[:2] * 4 == sampled  # the same key draws the same response in any row
+    assert sampled == [generate(model, [p], 8, 1.0, [2, 0], [k])[0]
+                       for p, k in zip(prompts * 4, keys * 4, strict=True)]
+    for response in batched + sampled:
         assert len(response) == 8 or response[-1] in (0, 2)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shared.generation import DrawKey, generate
 from trainer_svc import model as tiny
 from trainer_svc import task
 
@@ -92,9 +93,10 @@ def test_losing_a_build_race_keeps_the_winner(
 def test_warmed_up_policy_is_partially_competent(built: tuple[Path, Path]) -> None:
     _, model_dir = built
     model = tiny.load_policy(model_dir)
-    gen = torch.Generator().manual_seed(123)
     prompts = [p for p in task.all_prompts() for _ in range(8)]
-    responses = tiny.sample(model, prompts, generator=gen)
+    keys = [DrawKey(123, 0, i // 8, i % 8) for i in range(len(prompts))]
+    responses = generate(model, prompts, task.DEFAULT_MAX_NEW_TOKENS, 1.0, [task.EOS_ID], keys,
+                         task.PAD_ID)
     rewards = [task.reward(p, r) for p, r in zip(prompts, responses, strict=True)]
     mean = statistics.fmean(rewards)
     assert 0.25 <= mean <= 0.75, mean
