@@ -3,9 +3,9 @@
 EMULATION of GPU time on the real control plane. Rollout instances run the ``emu`` engine
 (decode/prefill/load times of the chosen model class on H100s,
 ``rollout_svc.engines.emu_models``); the trainer waits the modelled training time
-(``trainer_svc.policies.emu.PRESETS``). The manager, weight service, NATS JetStream, Redis, leases,
-migration and weight pulls are the real system, and spot instances are real processes started
-and preempted by a real availability trace.
+(``trainer_svc.learn.policies.emu.PRESETS``). The manager, weight service, NATS JetStream,
+Redis, leases, migration and weight pulls are the real system, and spot instances are real
+processes started and preempted by a real availability trace.
 
 Every policy runs the same workload on a fresh cluster. Spot policies replay the same trace
 segment from the start of step 1 (step 0, which includes start-up, is not measured); a policy
@@ -41,7 +41,7 @@ from shared.process import exit_on_sigterm
 from shared.protocol import RunSpec, SeedingSpec
 from shared.stack import Stack
 from sim.outcome import Outcome
-from trainer_svc.policies import PRESETS
+from trainer_svc.learn.policies import PRESETS
 
 # Engine/manager settings shared by every policy. Chunks of 32 tokens keep the control plane's
 # message rate within what two shared cores ingest; a notice flushes them, so nothing is lost.

@@ -9,8 +9,8 @@ Each job takes ``--steps`` RL steps; printed per job: the last step's wall time 
 add_group plus the optimizer step, on rank 0) and the peak memory of the worst rank over the
 steps after the first, which already holds AdamW's state.
 
-Memory is the resident-set peak per step (trainer_svc/step_meter.py: ``tracemalloc`` never sees
-tensor storage and torch keeps no CPU allocator statistics). The ranks run with
+Memory is the resident-set peak per step (trainer_svc/learn/step_meter.py: ``tracemalloc``
+never sees tensor storage and torch keeps no CPU allocator statistics). The ranks run with
 ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor is a mapping of its own that goes back to the
 kernel when freed and the resident set is what is live, not what malloc kept. The resident set
 includes the interpreter and libraries, the same few hundred MB for every job: the ``base`` column
@@ -67,13 +67,13 @@ def _rank(model_dir: Path, mode: str, steps: int, groups: int, out: Path) -> Non
     import torch
     import torch.distributed as dist
 
-    from trainer_svc import task
-    from trainer_svc.policies import distributed
-    from trainer_svc.policies.distributed import DistributedPolicy, Launch
-    from trainer_svc.policies.fsdp import ShardedPolicy, ShardingConfig
-    from trainer_svc.policies.torch_policy import TorchPolicy
-    from trainer_svc.step_meter import PeakMemory
-    from trainer_svc.step_trainer import Group, RunShape
+    from trainer_svc.embedded import task
+    from trainer_svc.learn.policies import distributed
+    from trainer_svc.learn.policies.distributed import DistributedPolicy, Launch
+    from trainer_svc.learn.policies.fsdp import ShardedPolicy, ShardingConfig
+    from trainer_svc.learn.policies.torch_policy import TorchPolicy
+    from trainer_svc.learn.step_meter import PeakMemory
+    from trainer_svc.learn.step_trainer import Group, RunShape
 
     torch.set_num_threads(1)
     # On CUDA the peak is torch's allocated bytes, which start at 0; on the CPU the resident set.

@@ -38,7 +38,7 @@ Where each default comes from (section and equation numbers of the papers' arXiv
   reward (coefficient 0.001 there); rlboost applies KL only as a loss term, default off.
 - ``reinforce_pp``, ``reinforce_pp_baseline``: Hu 2025 (arXiv 2501.03262): PPO's clip 0.2 and
   token-level loss, advantages normalised over the whole batch (see
-  :mod:`trainer_svc.algorithms.advantages` for how the paper's token-level returns reduce with
+  :mod:`trainer_svc.learn.algorithms.advantages` for how the paper's token-level returns reduce with
   an outcome reward). The paper puts a k1 KL penalty into the reward (veRL's examples: 0.001);
   as for rloo, rlboost applies KL only as a loss term, default off.
 - ``gspo``: Zheng et al. 2025 (arXiv 2507.18071): GRPO's advantages, the sequence-level ratio
@@ -88,7 +88,8 @@ class KlEstimator(StrEnum):
 
 
 class Estimator(StrEnum):
-    """The advantage estimator an algorithm uses (:mod:`trainer_svc.algorithms.advantages`)."""
+    """The advantage estimator an algorithm uses (:mod:`trainer_svc.learn.algorithms.advantages`).
+    """
 
     GRPO = "grpo"
     DR_GRPO = "dr_grpo"

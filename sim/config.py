@@ -1,7 +1,7 @@
 """What a simulation runs: the workload, the cluster and its costs, the policy, the prices.
 
 SIMULATION. Every GPU cost comes from the same presets the emulation uses
-(:mod:`rollout_svc.engines.emu_models` for serving, :mod:`trainer_svc.policies.emu` for
+(:mod:`rollout_svc.engines.emu_models` for serving, :mod:`trainer_svc.learn.policies.emu` for
 training, :mod:`shared.hardware` for publish, pulls and start-up), so a simulated and an
 emulated run of one configuration charge the same seconds for the same work.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from rollout_svc.engines.emu_models import ServingModel, serving_model
 from shared import hardware
-from trainer_svc.compute_model import PRESETS, ComputeModel
+from trainer_svc.learn.compute_model import PRESETS, ComputeModel
 
 # Prices per GPU-hour. AWS p5.48xlarge (8x H100 SXM) on-demand in us-east-1 is $55.04/h after
 # AWS's June 2025 price reduction for P5 instances (AWS "What's New", 2025-06-05), $6.88 per

@@ -1,7 +1,7 @@
 """``python -m trainer_svc``: read config, set up logging, train runs until SIGTERM.
 
 Under ``torchrun --nproc-per-node N -m trainer_svc`` rank 0 is this same service (its policy
-spreads the work, see :mod:`trainer_svc.policies.distributed`) and ranks > 0 serve rank 0's
+spreads the work, see :mod:`trainer_svc.learn.policies.distributed`) and ranks > 0 serve rank 0's
 commands. When rank 0 stops (SIGTERM, SIGINT) it sends the workers Stop before leaving the
 group; when torchrun itself is signalled it signals every rank, and a worker simply exits.
 A rank that finds the group broken (a peer died) exits with status 1, so torchrun restarts it.
@@ -20,8 +20,8 @@ from shared.logs import setup_logging
 from shared.process import die_with_parent
 from shared.settings import reveal
 from trainer_svc.errors import group_lost
-from trainer_svc.policies import WeightsAccess, distributed
-from trainer_svc.policies.fsdp import sharding_of
+from trainer_svc.learn.policies import WeightsAccess, distributed
+from trainer_svc.learn.policies.fsdp import sharding_of
 from trainer_svc.service import TrainerService
 
 log = logging.getLogger("trainer")

@@ -2,7 +2,7 @@
 
 Contract: :class:`GroupFilter` follows one step's groups by prompt index as they are scored,
 in any order, and says what to do next; it does no I/O. A group is *informative* when its
-rewards are not all equal (:func:`~trainer_svc.algorithms.advantages.is_informative`); an
+rewards are not all equal (:func:`~trainer_svc.learn.algorithms.advantages.is_informative`); an
 all-equal group has zero advantage under every group estimator and is never trained on.
 
 The step keeps the ``target`` (``prompts_per_step``) informative groups of lowest prompt index.
@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from trainer_svc.algorithms.advantages import is_informative
+from trainer_svc.learn.algorithms.advantages import is_informative
 
 MIN_SHARE = 0.125  # an extension is at most 8x the shortfall, however few groups were informative
 

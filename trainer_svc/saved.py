@@ -9,7 +9,7 @@ newest ``keep_last`` is unpinned (and collected with the rest).
 
 Which versions are kept is a pure function of the spec and the version just published, so a
 trainer that restarts between a pin and an unpin recomputes the same calls: both are idempotent.
-This is apart from the trainer's own checkpoint (:mod:`trainer_svc.checkpoint`), written after
+This is apart from the trainer's own checkpoint (:mod:`trainer_svc.learn.checkpoint`), written after
 every step with the optimizer's state, which a restarted trainer and ``POST /resume`` go on from.
 """
 

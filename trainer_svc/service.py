@@ -50,11 +50,11 @@ from shared.settings import reveal
 from shared.weights import upload_version
 from trainer_svc.dynamic_sampling import Close, Extend, GroupFilter
 from trainer_svc.errors import GroupLost, RunAborted
+from trainer_svc.learn.policies import Policy, PublishesItself, WeightsAccess, make_policy
+from trainer_svc.learn.step_trainer import Group
 from trainer_svc.manager_client import ManagerClient
-from trainer_svc.policies import Policy, PublishesItself, WeightsAccess, make_policy
 from trainer_svc.saved import keep_saved
 from trainer_svc.step_feed import StepEvents, StepFeed
-from trainer_svc.step_trainer import Group
 from trainer_svc.trackers import Trackers
 from trainer_svc.workload import EvalResult, StepPrompt, Workload, open_workload
 

@@ -5,7 +5,7 @@ trainer_svc`` in this process (torchrun's agent is this process, so a launcher t
 it signals the whole group). When any rank dies (killed, out of memory, a lost collective)
 torchrun stops the others and starts the group again, up to RESTARTS times; the new rank 0
 takes the run back from its last checkpoint like any restarted trainer, and the rest of the
-step is redone (:mod:`trainer_svc.policies.distributed`). A group that fails more often than
+step is redone (:mod:`trainer_svc.learn.policies.distributed`). A group that fails more often than
 that ends this process with torchrun's error, so a supervisor above sees one failed trainer.
 
 Like every service started by ``rlboost up`` the agent exits when its launcher is gone

@@ -6,7 +6,7 @@ Contract:
   (:class:`TaskWorkload`: ``arith-seq`` prompts drawn from the run seed, its token-level
   reward). With one it is a :class:`DatasetWorkload`: the train (and eval) split loaded with
   HF ``datasets``, the reward started in its worker processes
-  (:class:`~trainer_svc.scorer.RewardScorer`), so a missing file, a missing column, an empty
+  (:class:`~trainer_svc.inputs.scorer.RewardScorer`), so a missing file, a missing column, an empty
   split or a reward that does not import is a :class:`WorkloadError` naming the path, key or
   function and the cause, before the model is built. Only then ``use_model(model_dir)``
   loads the tokenizer: prompts are rendered through its chat template (and ``system_prompt``),
@@ -36,12 +36,12 @@ from typing import Any, Protocol
 
 from shared.generation import DrawKey, generate
 from shared.protocol import RunSpec
-from trainer_svc import task
-from trainer_svc.chat import ChatFormat, ChatFormatError, eos_token_ids
-from trainer_svc.data import DatasetError, DatasetSpec, PromptDataset, load_prompts
+from trainer_svc.embedded import task
 from trainer_svc.errors import RunSpecError
-from trainer_svc.rewards import BUILTIN_REWARDS, RewardNameError
-from trainer_svc.scorer import RewardScorer, RewardWorkerError
+from trainer_svc.inputs.chat import ChatFormat, ChatFormatError, eos_token_ids
+from trainer_svc.inputs.data import DatasetError, DatasetSpec, PromptDataset, load_prompts
+from trainer_svc.inputs.rewards import BUILTIN_REWARDS, RewardNameError
+from trainer_svc.inputs.scorer import RewardScorer, RewardWorkerError
 
 TokenReward = Callable[[list[int], list[int]], float]
 
@@ -190,7 +190,7 @@ class DatasetWorkload:
         return EvalResult(statistics.fmean(rewards), len(rewards), errors)
 
     def _sample(self, model_dir: Path, items: list[StepPrompt], step: int) -> list[list[int]]:
-        from trainer_svc.model import load_policy
+        from trainer_svc.learn.checkpoint import load_policy
 
         model = load_policy(model_dir).eval()
         pad = int(getattr(model.config, "pad_token_id", None) or 0)

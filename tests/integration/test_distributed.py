@@ -40,11 +40,11 @@ from transformers import Qwen2ForCausalLM
 from shared.algorithm import AlgorithmConfig
 from shared.protocol import RunSpec
 from tests.support.torchrun import run_job
-from trainer_svc import task
-from trainer_svc.model import tiny_config
-from trainer_svc.policies import Policy, TorchPolicy, distributed, make_policy
-from trainer_svc.policies.distributed import DistributedPolicy, Launch
-from trainer_svc.step_trainer import Group, RunShape
+from trainer_svc.embedded import task
+from trainer_svc.embedded.tiny import tiny_config
+from trainer_svc.learn.policies import Policy, TorchPolicy, distributed, make_policy
+from trainer_svc.learn.policies.distributed import DistributedPolicy, Launch
+from trainer_svc.learn.step_trainer import Group, RunShape
 
 LR = 1e-2
 ATOL = 1e-10

@@ -25,8 +25,8 @@ from rollout_svc.engines import EngineError, GenRequest, TokenEvent
 from rollout_svc.engines.sglang import SGLangEngine
 from shared.stack import free_port, wait_port
 from tests.support.sglang_standin import VOCAB
-from trainer_svc.chat import ChatFormat
-from trainer_svc.tiny_chat import train_tokenizer
+from trainer_svc.embedded.tiny_chat import train_tokenizer
+from trainer_svc.inputs.chat import ChatFormat
 
 EOS = 2
 

@@ -2,9 +2,9 @@
 
 A tiny-chat-shaped model (Qwen2, the byte-level BPE tokenizer with its chat template, a
 generation config listing two EOS ids) is checkpointed the way the trainer does
-(:class:`trainer_svc.checkpoint.RunCheckpoints`), published to a real weight service behind a
+(:class:`trainer_svc.learn.checkpoint.RunCheckpoints`), published to a real weight service behind a
 write and a read token, and exported with the read token. ``AutoTokenizer`` then renders a chat
-prompt exactly as the trainer's :class:`trainer_svc.chat.ChatFormat` did, and
+prompt exactly as the trainer's :class:`trainer_svc.inputs.chat.ChatFormat` did, and
 ``AutoModelForCausalLM`` generates from it, stopping on the generation config's EOS ids.
 """
 
@@ -20,9 +20,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from rlboost.export import ExportError, export
 from shared.weights import upload_version
 from tests.integration.test_weight_svc import ServiceProcess
-from trainer_svc.chat import ChatFormat, eos_token_ids
-from trainer_svc.checkpoint import RunCheckpoints
-from trainer_svc.tiny_chat import ENDOFTEXT, IM_END, tiny_chat_config, token_id, train_tokenizer
+from trainer_svc.embedded.tiny_chat import (
+    ENDOFTEXT,
+    IM_END,
+    tiny_chat_config,
+    token_id,
+    train_tokenizer,
+)
+from trainer_svc.inputs.chat import ChatFormat, eos_token_ids
+from trainer_svc.learn.checkpoint import RunCheckpoints
 
 WRITE, READ = "export-write", "export-read"
 

@@ -45,14 +45,14 @@ from shared.weights import model_files, published
 from tests.integration.test_weight_svc import ServiceProcess
 from tests.support.faultproxy import Hub, Link
 from tests.support.torchrun import run_job
-from trainer_svc import task
-from trainer_svc.model import tiny_config
-from trainer_svc.policies import EmuPolicy, PublishesItself, TorchPolicy, distributed
-from trainer_svc.policies.distributed import DistributedPolicy, Launch
-from trainer_svc.policies.fsdp import ShardedPolicy, ShardingConfig
-from trainer_svc.policies.publish import WeightsAccess
-from trainer_svc.sharded_checkpoint import INDEX
-from trainer_svc.step_trainer import Group, RunShape
+from trainer_svc.embedded import task
+from trainer_svc.embedded.tiny import tiny_config
+from trainer_svc.learn.policies import EmuPolicy, PublishesItself, TorchPolicy, distributed
+from trainer_svc.learn.policies.distributed import DistributedPolicy, Launch
+from trainer_svc.learn.policies.fsdp import ShardedPolicy, ShardingConfig
+from trainer_svc.learn.policies.publish import WeightsAccess
+from trainer_svc.learn.sharded_checkpoint import INDEX
+from trainer_svc.learn.step_trainer import Group, RunShape
 
 LR = 1e-2
 ATOL = 1e-10
@@ -93,7 +93,7 @@ def _groups() -> list[Group]:
 
 def _model_dir(root: Path, tied: bool = True) -> Path:
     """The tiny model (tied embeddings, as small models have), or with its own output matrix:
-    then the embeddings are FSDP units of their own (trainer_svc.policies.fsdp.shard)."""
+    then the embeddings are FSDP units of their own (trainer_svc.learn.policies.fsdp.shard)."""
     out = root / ("model" if tied else "model-untied")
     if not out.is_dir():
         torch.manual_seed(0)

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from trainer_svc.rewards import RewardNameError
-from trainer_svc.scorer import RewardScorer
+from trainer_svc.inputs.rewards import RewardNameError
+from trainer_svc.inputs.scorer import RewardScorer
 
 USER_REWARDS = '''
 import asyncio, os, time
@@ -86,7 +86,7 @@ async def test_async_user_function(reward_dir: Path) -> None:
 async def test_raising_calls_score_zero_are_counted_and_logged_once(
     reward_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="trainer_svc.scorer")
+    caplog.set_level(logging.ERROR, logger="trainer_svc.inputs.scorer")
     async with _scorer("picky", reward_dir) as s:
         rewards, errors = await s.score_many(
             [("p", "good", None), ("p", "bad 1", None), ("p", "bad 2", None)])

@@ -1,7 +1,7 @@
 """The tiny-chat GRPO self-check runs end to end (a quick build, two steps): it cannot rot.
 
 Whether it lifts the reward is its own question, answered by running it
-(``python -m trainer_svc.selfcheck_chat``), not here: a full build takes a minute or more.
+(``python -m trainer_svc.selfcheck.chat``), not here: a full build takes a minute or more.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_svc import selfcheck_chat
-from trainer_svc import tiny_chat as tc
+from trainer_svc.embedded import tiny_chat as tc
+from trainer_svc.selfcheck import chat as selfcheck_chat
 
 
 async def test_two_steps_with_a_quick_build(tmp_path: Path,

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from shared.protocol import RunSpec, decode
-from trainer_svc import task
-from trainer_svc import tiny_chat as tc
+from trainer_svc.embedded import task
+from trainer_svc.embedded import tiny_chat as tc
 from trainer_svc.errors import RunSpecError
 from trainer_svc.workload import DatasetWorkload, TaskWorkload, open_workload
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from shared.protocol import RunSpec, Sample, sample_digest
-from trainer_svc import task
+from trainer_svc.embedded import task
 
 
 def check_run(client: httpx.Client, run_id: str, spec: dict[str, Any],

@@ -32,7 +32,7 @@ from shared.identity import new_account_seed, public_key
 from shared.stack import _binary, free_port, wait_port
 from tests.support.cluster import wait_run
 from tests.support.invariants import check_run
-from trainer_svc.policies import PRESETS, EmuPolicy
+from trainer_svc.learn.policies import PRESETS, EmuPolicy
 
 pytestmark = pytest.mark.slow
 

@@ -25,10 +25,10 @@ from rlboost.launcher import Cluster
 from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run, step_records
-from trainer_svc.chat import ChatFormat, eos_token_ids
-from trainer_svc.data import DatasetSpec, load_prompts
-from trainer_svc.rewards import math_reward
-from trainer_svc.tiny_chat import tiny_chat_key
+from trainer_svc.embedded.tiny_chat import tiny_chat_key
+from trainer_svc.inputs.chat import ChatFormat, eos_token_ids
+from trainer_svc.inputs.data import DatasetSpec, load_prompts
+from trainer_svc.inputs.rewards import math_reward
 
 pytestmark = pytest.mark.slow
 

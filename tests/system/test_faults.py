@@ -41,7 +41,7 @@ from tests.support.chaos import Injector
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run, step_records
 from tests.support.links import Links
-from trainer_svc.policies import PRESETS, EmuPolicy
+from trainer_svc.learn.policies import PRESETS, EmuPolicy
 
 pytestmark = pytest.mark.slow
 

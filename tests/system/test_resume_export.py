@@ -29,7 +29,7 @@ from rlboost.launcher import Cluster
 from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
-from trainer_svc import task
+from trainer_svc.embedded import task
 
 pytestmark = pytest.mark.slow
 

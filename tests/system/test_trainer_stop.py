@@ -16,7 +16,7 @@ import pytest
 from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
-from trainer_svc.policies import PRESETS, EmuPolicy
+from trainer_svc.learn.policies import PRESETS, EmuPolicy
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
 from tests.support.tmpfs import tmpfs
-from trainer_svc.policies import PRESETS, EmuPolicy
+from trainer_svc.learn.policies import PRESETS, EmuPolicy
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from shared.algorithm import SCOPE, Algorithm, AlgorithmConfig, Estimator, Scope
-from trainer_svc.algorithms import advantages as adv
+from trainer_svc.learn.algorithms import advantages as adv
 
 # --- references ------------------------------------------------------------------------------
 

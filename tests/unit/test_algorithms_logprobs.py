@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from trainer_svc import task
-from trainer_svc.algorithms.logprobs import (
+from trainer_svc.embedded import task
+from trainer_svc.embedded.tiny import tiny_config
+from trainer_svc.learn.algorithms.logprobs import (
     dropout_off,
     logit_scale,
     response_logprobs,
     response_scores,
 )
-from trainer_svc.model import tiny_config
 
 
 def _model(attention_dropout: float = 0.0) -> Qwen2ForCausalLM:

@@ -30,10 +30,10 @@ from shared.algorithm import (
     PolicyLoss,
     Scope,
 )
-from trainer_svc.algorithms import advantages as adv
-from trainer_svc.algorithms import losses
-from trainer_svc.algorithms.losses import AggCounts, aggregate, denominator, partial_sum
-from trainer_svc.algorithms.stats import TrainStats, response_stats
+from trainer_svc.learn.algorithms import advantages as adv
+from trainer_svc.learn.algorithms import losses
+from trainer_svc.learn.algorithms.losses import AggCounts, aggregate, denominator, partial_sum
+from trainer_svc.learn.algorithms.stats import TrainStats, response_stats
 
 Rows = list[list[float]]
 LOW, HIGH = 0.2, 0.28
@@ -388,7 +388,7 @@ def test_stats_sum_and_summarise() -> None:
 def _tiny(seed: int, attention_dropout: float = 0.0) -> torch.nn.Module:
     from transformers import Qwen2ForCausalLM
 
-    from trainer_svc.model import tiny_config
+    from trainer_svc.embedded.tiny import tiny_config
 
     torch.manual_seed(seed)
     cfg = tiny_config()
@@ -405,8 +405,8 @@ def _tiny(seed: int, attention_dropout: float = 0.0) -> torch.nn.Module:
 ])
 def test_model_gradient_streamed_by_group_equals_batch(
         algorithm: Algorithm, mode: LossAgg, temperature: float) -> None:
-    from trainer_svc import task
-    from trainer_svc.algorithms.logprobs import dropout_off, response_scores
+    from trainer_svc.embedded import task
+    from trainer_svc.learn.algorithms.logprobs import dropout_off, response_scores
 
     # A narrow clip, so that some ratios between these near-uniform random models clip.
     narrow = {} if algorithm is Algorithm.GSPO else {"clip_ratio_low": 0.1, "clip_ratio_high": 0.1}

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from shared.algorithm import AlgorithmConfig, Estimator, KlEstimator, LossAgg
-from trainer_svc.algorithms import advantages as adv
-from trainer_svc.algorithms import losses
-from trainer_svc.algorithms.losses import aggregate, denominator
+from trainer_svc.learn.algorithms import advantages as adv
+from trainer_svc.learn.algorithms import losses
+from trainer_svc.learn.algorithms.losses import aggregate, denominator
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 verl_F = pytest.importorskip("verl.utils.torch_functional")
@@ -217,9 +217,9 @@ def test_kl_estimators_equal_verl_kl_penalty(ours: KlEstimator, names: tuple[str
 def test_entropy_equals_verl_entropy_from_logits() -> None:
     from transformers import Qwen2ForCausalLM
 
-    from trainer_svc import task
-    from trainer_svc.algorithms.logprobs import response_scores
-    from trainer_svc.model import tiny_config
+    from trainer_svc.embedded import task
+    from trainer_svc.embedded.tiny import tiny_config
+    from trainer_svc.learn.algorithms.logprobs import response_scores
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_config()).double().eval()

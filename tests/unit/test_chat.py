@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from trainer_svc import model as tiny
-from trainer_svc import tiny_chat as tc
-from trainer_svc.chat import ChatFormat, ChatFormatError, eos_token_ids, has_chat_template
+from trainer_svc.embedded import tiny
+from trainer_svc.embedded import tiny_chat as tc
+from trainer_svc.inputs.chat import ChatFormat, ChatFormatError, eos_token_ids, has_chat_template
 
 
 @pytest.fixture(scope="module")

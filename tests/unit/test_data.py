@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer_svc.data import (
+from trainer_svc.inputs.data import (
     DatasetError,
     DatasetSpec,
     EvalSpec,

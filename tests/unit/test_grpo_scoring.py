@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from shared.algorithm import AlgorithmConfig
 from shared.protocol import RunSpec
 from tests.unit.test_algorithms_logprobs import _batch, _model
-from trainer_svc import task
-from trainer_svc.policies import TorchPolicy, make_policy
-from trainer_svc.step_trainer import Group, RunShape, StepTrainer
+from trainer_svc.embedded import task
+from trainer_svc.learn.policies import TorchPolicy, make_policy
+from trainer_svc.learn.step_trainer import Group, RunShape, StepTrainer
 
 REWARDS = [1.0, 0.0, 0.5, 0.25, 1.0]
 

@@ -46,8 +46,8 @@ def test_the_contract_breaks_on_a_deferred_cycle_through_a_package(
 
 def test_the_project_graph_holds_the_factories_imports_and_no_cycle() -> None:
     graph = module_graph(grimp.build_graph(*PACKAGES, cache_dir=None), PACKAGES)
-    assert {"rollout_svc.engines", "trainer_svc.policies"} <= set(graph)
+    assert {"rollout_svc.engines", "trainer_svc.learn.policies"} <= set(graph)
     # The factories reach their concrete modules; nothing inside reaches back to the factory.
     assert "rollout_svc.engines.emu" in graph["rollout_svc.engines"]
-    assert "trainer_svc.policies.distributed" in graph["trainer_svc.policies"]
+    assert "trainer_svc.learn.policies.distributed" in graph["trainer_svc.learn.policies"]
     assert cycles(graph) == []

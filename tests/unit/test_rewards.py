@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_svc.rewards import (
+from trainer_svc.inputs.rewards import (
     RewardNameError,
     check_spec,
     exact_reward,
@@ -82,7 +82,7 @@ def test_resolve_from_reward_path_and_installed_packages(
         (d / "i12_user_reward.py").write_text(f"def score(p, r, a):\n    return {value}\n")
     fn = resolve_reward("python:i12_user_reward:score", [str(first), str(second)])
     assert fn("p", "r", None) == 1.0  # the first directory listed wins
-    assert resolve_reward("python:trainer_svc.rewards:exact_reward") is exact_reward
+    assert resolve_reward("python:trainer_svc.inputs.rewards:exact_reward") is exact_reward
     assert resolve_reward("math") is math_reward
 
 

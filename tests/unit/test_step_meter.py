@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from trainer_svc.step_meter import PeakMemory, StepMeter
+from trainer_svc.learn.step_meter import PeakMemory, StepMeter
 
 MIB = 1 << 20
 

@@ -3,7 +3,7 @@
 The streaming side is :class:`StepTrainer` as the trainer drives it: groups added one at a
 time in a shuffled order, then ``step`` at the barrier. The batch side is written here from
 the definitions: every group at once, final advantages from
-:func:`~trainer_svc.algorithms.advantages.step_advantages`, old (and reference) log-probs in
+:func:`~trainer_svc.learn.algorithms.advantages.step_advantages`, old (and reference) log-probs in
 one forward with the step's weights, then ``updates_per_step`` passes of ``minibatches``
 optimizer steps, each on the mini-batch's whole objective divided by its denominator.
 float64 model, SGD (Adam's first step is scale-free and would hide a wrong denominator),
@@ -24,10 +24,10 @@ from transformers import Qwen2ForCausalLM
 from transformers.models.qwen2 import modeling_qwen2
 
 from shared.algorithm import Algorithm, AlgorithmConfig
-from trainer_svc import task
-from trainer_svc.algorithms import advantages, logprobs, losses
-from trainer_svc.model import tiny_config
-from trainer_svc.step_trainer import Group, RunShape, StepTrainer
+from trainer_svc.embedded import task
+from trainer_svc.embedded.tiny import tiny_config
+from trainer_svc.learn.algorithms import advantages, logprobs, losses
+from trainer_svc.learn.step_trainer import Group, RunShape, StepTrainer
 
 MAX_NEW = 8
 GROUPS = 4

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from trainer_svc import task
-from trainer_svc.task import EOS_ID, RESPONSE_LEN, digit_id
+from trainer_svc.embedded import task
+from trainer_svc.embedded.task import EOS_ID, RESPONSE_LEN, digit_id
 
 
 def _prompt(a: int, d: int) -> list[int]:

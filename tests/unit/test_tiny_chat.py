@@ -1,7 +1,7 @@
 """The embedded text model tiny-chat: tokenizer, chat template, offline loading, generation.
 
 The build here runs a few warm-up steps (the key covers the step count, so it never meets a
-real build); the warm-up's effect on reward is measured by ``trainer_svc.selfcheck_chat``.
+real build); the warm-up's effect on reward is measured by ``trainer_svc.selfcheck.chat``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.generation import DrawKey, generate
-from trainer_svc import tiny_chat as tc
-from trainer_svc.chat import ChatFormat, eos_token_ids
+from trainer_svc.embedded import tiny_chat as tc
+from trainer_svc.inputs.chat import ChatFormat, eos_token_ids
 
 QUICK_STEPS = 3
 

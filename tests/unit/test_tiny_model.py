@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.generation import DrawKey, generate
-from trainer_svc import model as tiny
-from trainer_svc import task
+from trainer_svc.embedded import task, tiny
+from trainer_svc.learn.checkpoint import load_policy
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_losing_a_build_race_keeps_the_winner(
 
 def test_warmed_up_policy_is_partially_competent(built: tuple[Path, Path]) -> None:
     _, model_dir = built
-    model = tiny.load_policy(model_dir)
+    model = load_policy(model_dir)
     prompts = [p for p in task.all_prompts() for _ in range(8)]
     keys = [DrawKey(123, 0, i // 8, i % 8) for i in range(len(prompts))]
     responses = generate(model, prompts, task.DEFAULT_MAX_NEW_TOKENS, 1.0, [task.EOS_ID], keys,
@@ -117,6 +117,6 @@ def test_build_is_deterministic_and_leaves_global_rng_alone(tmp_path: Path) -> N
         a = tiny.build_tiny(a_dir, seed=5)
         b = tiny.build_tiny(b_dir, seed=5)
     assert torch.equal(torch.rand(3), expected)
-    wa, wb = tiny.load_policy(a).state_dict(), tiny.load_policy(b).state_dict()
+    wa, wb = load_policy(a).state_dict(), load_policy(b).state_dict()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k

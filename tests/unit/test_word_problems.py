@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from trainer_svc import word_problems as wp
+from trainer_svc.embedded import word_problems as wp
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -1,7 +1,7 @@
 """EMULATION: a policy that only takes time, with the compute model that says how much.
 
-Contract: :class:`EmuPolicy` keeps the :class:`~trainer_svc.policies.base.Policy` interface but
-replaces torch with a :class:`ComputeModel`: it sleeps the modelled GPU time of training on the
+Contract: :class:`EmuPolicy` keeps the :class:`~trainer_svc.learn.policies.base.Policy` interface
+but replaces torch with a :class:`ComputeModel`: it sleeps the modelled GPU time of training on the
 tokens it is given and publishes a small placeholder checkpoint, so the manager, buses, leases
 and weight transfer around it are the real system. Any figure made with it must say it is
 emulation. :data:`PRESETS` names the model classes a run spec's ``model`` may ask for.
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer_svc import task
-from trainer_svc.checkpoint import RunCheckpoints
-from trainer_svc.compute_model import ComputeModel
-from trainer_svc.step_trainer import Group
+from trainer_svc.embedded import task
+from trainer_svc.learn.checkpoint import RunCheckpoints
+from trainer_svc.learn.compute_model import ComputeModel
+from trainer_svc.learn.step_trainer import Group
 
 # The emu engine's vocabulary (rollout_svc.engines.emu's default): ingest drops any token
 # id at or above it.

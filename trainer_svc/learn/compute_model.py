@@ -2,7 +2,7 @@
 
 Contract: pure arithmetic on :mod:`shared.hardware`, importable without torch, so the
 discrete-event simulator (:mod:`sim`) charges exactly what the emulated trainer
-(:class:`~trainer_svc.policies.emu.EmuPolicy`) sleeps. :data:`PRESETS` names the model
+(:class:`~trainer_svc.learn.policies.emu.EmuPolicy`) sleeps. :data:`PRESETS` names the model
 classes a run spec's ``model`` may ask for.
 """
 

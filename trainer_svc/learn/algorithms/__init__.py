@@ -27,8 +27,8 @@ from shared.algorithm import (
     PolicyLoss,
     Scope,
 )
-from trainer_svc.algorithms.losses import AggCounts, aggregate, denominator, partial_sum
-from trainer_svc.algorithms.stats import TrainStats, response_stats
+from trainer_svc.learn.algorithms.losses import AggCounts, aggregate, denominator, partial_sum
+from trainer_svc.learn.algorithms.stats import TrainStats, response_stats
 
 __all__ = [
     "DEFAULTS",

@@ -1,9 +1,12 @@
-"""The trainer's durable state for one run, under ``<data dir>/trainer/<run id>/``.
+"""The trainer's weights on disk: the model directory a run starts from, and its durable state.
 
-Contract: ``v<k>.pt`` holds the policy and optimizer after k optimizer steps; ``hf-<k>/`` is
-the same policy as an HF model directory (what the weight service publishes); ``finish-<n>.json``
-is the report of step n. Every file is written to a temporary name and renamed, and the report
-of step n is written before checkpoint n+1, so a checkpoint on disk always has its report.
+Contract: :func:`load_policy` loads a run's base model (an HF model directory) offline, the one
+way the trainer, its eval and the self-checks read weights. :class:`RunCheckpoints` keeps one
+run's state under ``<data dir>/trainer/<run id>/``: ``v<k>.pt`` holds the policy and optimizer
+after k optimizer steps; ``hf-<k>/`` is the same policy as an HF model directory (what the
+weight service publishes); ``finish-<n>.json`` is the report of step n. Every file is written
+to a temporary name and renamed, and the report of step n is written before checkpoint n+1, so
+a checkpoint on disk always has its report.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+from transformers import AutoModelForCausalLM
 
 from shared.protocol import StepFinish
 
@@ -21,6 +25,14 @@ from shared.protocol import StepFinish
 BASE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 KEEP = 2
+
+
+def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load an HF causal LM from a directory, offline, in ``dtype``."""
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, local_files_only=True
+    )
+    return model
 
 
 class RunCheckpoints:

@@ -5,17 +5,17 @@ Each RL step draws ``prompts_per_step`` problems from the train split with
 ``samples_per_prompt`` responses per prompt at temperature 1 with the rollout's keyed draw
 (:func:`shared.generation.generate`, keyed by seed, step, prompt and sample), decodes them
 (special tokens skipped), scores them with the ``math`` reward in its worker processes
-(:class:`~trainer_svc.scorer.RewardScorer`), feeds every group to the trainer's
-:class:`~trainer_svc.step_trainer.StepTrainer` with GRPO's defaults (:func:`trainer_svc.grpo.
-train_step`) and takes one optimizer step. Eval samples one
+(:class:`~trainer_svc.inputs.scorer.RewardScorer`), feeds every group to the trainer's
+:class:`~trainer_svc.learn.step_trainer.StepTrainer` with GRPO's defaults
+(:func:`trainer_svc.selfcheck.grpo.train_step`) and takes one optimizer step. Eval samples one
 response per held-out prompt, at the same temperature and with the same draws each time,
 before the first step, every ``eval_every`` steps and after the last.
 
-Problems come from :mod:`trainer_svc.word_problems` (the text of ``examples/data/``), or from
-``--train-file``/``--eval-file`` through :func:`trainer_svc.data.load_prompts`.
+Problems come from :mod:`trainer_svc.embedded.word_problems` (the text of ``examples/data/``),
+or from ``--train-file``/``--eval-file`` through :func:`trainer_svc.inputs.data.load_prompts`.
 
 It answers a budget question, so it times everything, the model build included: run it as
-``python -m trainer_svc.selfcheck_chat --seeds 0 1 2`` (one intra-op thread, as a trainer
+``python -m trainer_svc.selfcheck.chat --seeds 0 1 2`` (one intra-op thread, as a trainer
 sharing two cores with its rollout instances gets). It prints one line per seed and exits
 non-zero when a seed's last-``window`` train mean does not beat its first-``window`` mean by
 ``min_gain``. The build's cost is paid once per seed and data dir; ``--data-dir`` reuses it.
@@ -36,12 +36,14 @@ import torch
 from transformers import AutoTokenizer
 
 from shared.generation import DrawKey, generate
-from trainer_svc import grpo, word_problems
-from trainer_svc.chat import ChatFormat, eos_token_ids
-from trainer_svc.data import DatasetSpec, PromptDataset, load_prompts
-from trainer_svc.model import load_policy
-from trainer_svc.scorer import RewardScorer
-from trainer_svc.tiny_chat import build_tiny_chat
+from trainer_svc.embedded import word_problems
+from trainer_svc.embedded.tiny_chat import build_tiny_chat
+from trainer_svc.inputs.chat import ChatFormat, eos_token_ids
+from trainer_svc.inputs.data import DatasetSpec, PromptDataset, load_prompts
+from trainer_svc.inputs.scorer import RewardScorer
+from trainer_svc.learn.checkpoint import load_policy
+from trainer_svc.learn.schedule import learning_rate_at
+from trainer_svc.selfcheck import grpo
 
 DEFAULT_STEPS = 40
 DEFAULT_PROMPTS_PER_STEP = 16
@@ -130,7 +132,7 @@ class ChatRL:
         prompts, responses, rewards, errors = await self._rollout(items, keys)
         self.model.train()
         grpo.train_step(self.trainer, prompts, responses, rewards, group, self.eos_ids,
-                        grpo.learning_rate_at(step, self.learning_rate))
+                        learning_rate_at(step, self.learning_rate))
         self.model.eval()
         return statistics.fmean(rewards), errors
 

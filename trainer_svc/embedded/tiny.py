@@ -39,15 +39,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    GenerationConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from trainer_svc import task
+from trainer_svc.embedded import task
 
 TINY_ARCH: dict[str, Any] = {
     "hidden_size": 64,
@@ -192,11 +186,3 @@ def build_tiny(data_dir: Path, seed: int) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load an HF causal LM from a directory, offline, in ``dtype``."""
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, local_files_only=True
-    )
-    return model

@@ -3,9 +3,9 @@
 Each RL step draws ``prompts_per_step`` prompts with ``task.make_prompts(seed, step, n)``,
 samples ``samples_per_prompt`` responses per prompt at temperature 1 from the current
 policy, scores them with ``task.reward``, feeds every group to the trainer's
-:class:`~trainer_svc.step_trainer.StepTrainer` with GRPO's defaults (:func:`trainer_svc.grpo.
-train_step`) and takes one optimizer step. This is the math the trainer service runs, minus
-the transport, so a regression here is a regression there.
+:class:`~trainer_svc.learn.step_trainer.StepTrainer` with GRPO's defaults
+(:func:`trainer_svc.selfcheck.grpo.train_step`) and takes one optimizer step. This is the math
+the trainer service runs, minus the transport, so a regression here is a regression there.
 
 The check passes when the mean reward of the last ``window`` steps beats the first
 ``window`` steps by at least ``min_gain``. Run it with ``python -m trainer_svc.selfcheck``
@@ -28,8 +28,11 @@ from pathlib import Path
 import torch
 
 from shared.generation import DrawKey, generate
-from trainer_svc import grpo, task
-from trainer_svc.model import build_tiny, load_policy
+from trainer_svc.embedded import task
+from trainer_svc.embedded.tiny import build_tiny
+from trainer_svc.learn.checkpoint import load_policy
+from trainer_svc.learn.schedule import DEFAULT_LR_WARMUP_STEPS, learning_rate_at
+from trainer_svc.selfcheck import grpo
 
 DEFAULT_WINDOW = 5
 DEFAULT_MIN_GAIN = 0.10
@@ -64,7 +67,7 @@ def run_rl(
     prompts_per_step: int = grpo.DEFAULT_PROMPTS_PER_STEP,
     samples_per_prompt: int = grpo.DEFAULT_SAMPLES_PER_PROMPT,
     learning_rate: float = grpo.DEFAULT_LEARNING_RATE,
-    lr_warmup_steps: int = grpo.DEFAULT_LR_WARMUP_STEPS,
+    lr_warmup_steps: int = DEFAULT_LR_WARMUP_STEPS,
     max_new_tokens: int = task.DEFAULT_MAX_NEW_TOKENS,
     window: int = DEFAULT_WINDOW,
 ) -> SelfCheckResult:
@@ -84,7 +87,7 @@ def run_rl(
         model.train()
         rewards = [task.reward(p, r) for p, r in zip(flat, responses, strict=True)]
         grpo.train_step(trainer, flat, responses, rewards, samples_per_prompt, {task.EOS_ID},
-                        grpo.learning_rate_at(step, learning_rate, lr_warmup_steps))
+                        learning_rate_at(step, learning_rate, lr_warmup_steps))
         result.step_rewards.append(statistics.fmean(rewards))
     model.eval()
     result.seconds = time.perf_counter() - started

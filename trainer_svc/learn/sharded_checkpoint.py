@@ -1,6 +1,6 @@
 """A sharded trainer's durable state: every rank writes its own part, nobody holds the whole.
 
-Contract (the layout of :class:`~trainer_svc.checkpoint.RunCheckpoints`, with ``v<k>.dcp/`` in
+Contract (the layout of :class:`~trainer_svc.learn.checkpoint.RunCheckpoints`, with ``v<k>.dcp/`` in
 place of ``v<k>.pt``):
 
 - ``v<k>.dcp/`` is a ``torch.distributed.checkpoint`` (DCP) directory: each rank writes the
@@ -14,7 +14,7 @@ place of ``v<k>.pt``):
   the largest single parameter, never the model. Rank 0 writes the index from every rank's
   list of names, the config and the tokenizer files.
 - Each rank's files are named ``model-r<rank>-<n>.safetensors``, so :func:`file_rank` tells
-  which rank wrote (and uploads, :mod:`trainer_svc.policies.publish`) a file of the directory;
+  which rank wrote (and uploads, :mod:`trainer_svc.learn.policies.publish`) a file of the directory;
   the index, config and tokenizer files are rank 0's.
 - Every method here is collective (all ranks call it in the same order), and every directory is
   written under a temporary name that rank 0 renames once all ranks have written: a reader sees
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from trainer_svc.checkpoint import BASE_FILES, KEEP, RunCheckpoints
+from trainer_svc.learn.checkpoint import BASE_FILES, KEEP, RunCheckpoints
 
 FILE_BYTES = 1 << 30  # a rank's largest safetensors file, hence its extra memory while saving
 INDEX = "model.safetensors.index.json"

@@ -1,7 +1,7 @@
 """One RL step's optimisation: groups stream in before the barrier, the rest runs after it.
 
 Contract: :class:`StepTrainer` trains one step of any algorithm of :mod:`shared.algorithm` with
-the math of :mod:`trainer_svc.algorithms`. ``add_group`` is called once per group, in any
+the math of :mod:`trainer_svc.learn.algorithms`. ``add_group`` is called once per group, in any
 order, while rollout goes on; ``step`` is called at the barrier and runs every optimizer step
 of the RL step: ``updates_per_step`` passes over the step's groups, each pass split into
 ``minibatches`` optimizer steps. The result equals the batch computation (every group at once,
@@ -17,7 +17,7 @@ What can run before the barrier, and what must wait:
 * The first mini-batch of the first pass runs with the step's weights, so its ratio is exactly
   1. Its groups are backpropagated as they arrive: a ``group``-scope estimator's advantages
   are final per group; a ``batch``-scope one (REINFORCE++) streams through
-  :func:`~trainer_svc.algorithms.losses.first_pass_parts` into two extra gradient buffers,
+  :func:`~trainer_svc.learn.algorithms.losses.first_pass_parts` into two extra gradient buffers,
   combined at the barrier once the step's whitening is known (three gradient copies in memory
   while the step streams).
 * Every other group is only scored before the barrier (old and reference log-probs, no
@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from shared.algorithm import AlgorithmConfig, Scope
-from trainer_svc.algorithms import advantages, logprobs, losses
-from trainer_svc.algorithms.stats import TrainStats, response_stats
+from trainer_svc.learn.algorithms import advantages, logprobs, losses
+from trainer_svc.learn.algorithms.stats import TrainStats, response_stats
 
 DEFAULT_MAX_GRAD_NORM = 1.0
 

@@ -3,13 +3,13 @@
 Contract:
 
 - A sharded version's HF directory is written by all ranks, each its own safetensors files
-  (:func:`~trainer_svc.sharded_checkpoint.write_hf`), so each rank also sends its own files
+  (:func:`~trainer_svc.learn.sharded_checkpoint.write_hf`), so each rank also sends its own files
   to the weight service, in parallel, from its own process: no rank reads another's files and
   the upload takes the time of the largest share, not of the whole model.
 - Rank 0 (:func:`publish_from_ranks`) first asks the service whether the version is already
   published with this content (a step retried after a crash publishes again): then nothing is
   sent and the other ranks are not involved. Otherwise it has every other rank start
-  (``start``: the ``Upload`` command of :mod:`~trainer_svc.policies.distributed`), sends its
+  (``start``: the ``Upload`` command of :mod:`~trainer_svc.learn.policies.distributed`), sends its
   own files (index, config, tokenizer and its shards), and every rank then joins one
   all-reduce of a failure flag (:func:`_all_uploaded`). Only if no rank failed does rank 0
   commit, once: a version with a missing part is never published, and the staged parts are
@@ -40,7 +40,7 @@ from shared.weights import (
     upload_files,
     upload_version,
 )
-from trainer_svc.sharded_checkpoint import file_rank
+from trainer_svc.learn.sharded_checkpoint import file_rank
 
 log = logging.getLogger("trainer.publish")
 

@@ -1,6 +1,6 @@
 """The reward worker process: resolves one reward function and scores samples on request.
 
-Contract (the only peer is :class:`trainer_svc.scorer.RewardScorer`):
+Contract (the only peer is :class:`trainer_svc.inputs.scorer.RewardScorer`):
 
 - Started as ``python -c <bootstrap> <fd> <parent pid>``; ``fd`` is its end of a socket pair,
   wrapped as a ``multiprocessing.connection.Connection`` (length-framed pickles), so a
@@ -34,7 +34,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from trainer_svc.rewards import RewardFn, RewardNameError, resolve_reward
+from trainer_svc.inputs.rewards import RewardFn, RewardNameError, resolve_reward
 
 PARENT_CHECK_S = 0.5
 

@@ -18,16 +18,16 @@ Contract:
 - Mixed precision is FSDP2's :class:`MixedPrecisionPolicy`: the parameters stay in the model's
   dtype (fp32 master weights) and are cast to ``param_dtype`` for compute; gradients are
   reduced in ``reduce_dtype``. ``None`` keeps the model's dtype (the float64 equality tests).
-- :class:`ShardedPolicy` has :class:`~trainer_svc.policies.torch_policy.TorchPolicy`'s methods,
-  but every one of them that computes is *collective*: all ranks call it, in the same order.
-  Groups therefore arrive in rounds (:meth:`ShardedPolicy.add_round`), one group per rank at
-  most; every rank records the whole round and runs the forwards and backwards its own group
-  needs, or :meth:`~trainer_svc.step_trainer.StepTrainer.pad` of the same kind, in one fixed
+- :class:`ShardedPolicy` has :class:`~trainer_svc.learn.policies.torch_policy.TorchPolicy`'s
+  methods, but every one of them that computes is *collective*: all ranks call it, in the same
+  order. Groups therefore arrive in rounds (:meth:`ShardedPolicy.add_round`), one group per rank
+  at most; every rank records the whole round and runs the forwards and backwards its own group
+  needs, or :meth:`~trainer_svc.learn.step_trainer.StepTrainer.pad` of the same kind, in one fixed
   order of kinds. At the barrier each optimizer step is padded the same way to the largest
   number of backwards any rank has in it, known before the step from one all-reduce.
-- Checkpoints are :class:`~trainer_svc.sharded_checkpoint.ShardedCheckpoints`: each rank writes
-  its own shards (torch.distributed.checkpoint), and the published HF directory is written from
-  shards too.
+- Checkpoints are :class:`~trainer_svc.learn.sharded_checkpoint.ShardedCheckpoints`: each rank
+  writes its own shards (torch.distributed.checkpoint), and the published HF directory is
+  written from shards too.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ from torch.distributed.fsdp import (
 
 from shared.algorithm import AlgorithmConfig
 from shared.config import TrainerConfig
-from trainer_svc import task
-from trainer_svc.grpo import learning_rate_at
-from trainer_svc.model import load_policy
-from trainer_svc.sharded_checkpoint import ShardedCheckpoints
-from trainer_svc.step_meter import StepMeter
-from trainer_svc.step_trainer import Group, RunShape, StepTrainer, Work
+from trainer_svc.embedded import task
+from trainer_svc.learn.checkpoint import load_policy
+from trainer_svc.learn.schedule import learning_rate_at
+from trainer_svc.learn.sharded_checkpoint import ShardedCheckpoints
+from trainer_svc.learn.step_meter import StepMeter
+from trainer_svc.learn.step_trainer import Group, RunShape, StepTrainer, Work
 
 # Kinds of work in the order every rank runs them within a round (module doc).
 _ROUND_ORDER = (Work.STREAM, Work.SCORE)

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.algorithm import AlgorithmConfig, KlEstimator, LossAgg, PolicyLoss
-from trainer_svc.algorithms.stats import TrainStats
+from trainer_svc.learn.algorithms.stats import TrainStats
 
 # --- aggregation -------------------------------------------------------------------------
 

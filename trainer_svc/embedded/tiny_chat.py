@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from trainer_svc import word_problems
+from trainer_svc.embedded import word_problems
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ TINY_CHAT_ARCH: dict[str, Any] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": True,
 }
-# With these (selfcheck_chat, seeds 0-2) the built policy's worked equation is right on
+# With these (selfcheck.chat, seeds 0-2) the built policy's worked equation is right on
 # 91-96 % of eval problems, its final answer on 43-50 % at temperature 1; 40 GRPO steps take
 # the final answer to 0.88-0.94. The build is ~55 CPU s on one thread.
 WARMUP_NOISE = 0.5

@@ -3,12 +3,12 @@
 Contract:
 
 - ``RewardScorer(spec, reward_path=..., timeout_s=..., workers=...)`` runs the reward named
-  by ``spec`` (see :mod:`trainer_svc.rewards`) in ``workers`` child processes
-  (:mod:`trainer_svc.reward_worker`). ``reward_path`` and ``timeout_s`` are passed in by the
+  by ``spec`` (see :mod:`trainer_svc.inputs.rewards`) in ``workers`` child processes
+  (:mod:`trainer_svc.inputs.reward_worker`). ``reward_path`` and ``timeout_s`` are passed in by the
   caller (the trainer reads ``RLBOOST_REWARD_PATH`` and ``RLBOOST_REWARD_TIMEOUT_S`` into its
   config); this module reads no environment.
 - ``await start()`` starts every worker and resolves the function in each; a spec that names
-  nothing importable raises :class:`~trainer_svc.rewards.RewardNameError` here, naming the
+  nothing importable raises :class:`~trainer_svc.inputs.rewards.RewardNameError` here, naming the
   function and the cause, before any sample is scored.
 - ``await score_many([(prompt, response, answer), ...])`` returns ``(rewards, errors)``: one
   reward per item in order, and how many of them failed. A call that raises, returns a
@@ -41,17 +41,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from trainer_svc.rewards import RewardNameError, check_spec
+from trainer_svc.inputs.rewards import RewardNameError, check_spec
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_WORKERS = 2
 DEFAULT_START_TIMEOUT_S = 60.0
-_ROOT = str(Path(__file__).resolve().parents[1])
-# The worker imports nothing of the trainer's (no torch): starting it takes ~0.1 s plus the
-# reward's own imports.
+# The directory that holds the trainer_svc package (trainer_svc/inputs/scorer.py, two up).
+_ROOT = str(Path(__file__).resolve().parents[2])
+# The worker imports nothing of the trainer's (no torch; trainer_svc/__init__.py and
+# trainer_svc/inputs/__init__.py import nothing): starting it takes ~0.1 s plus the reward's
+# own imports.
 _BOOTSTRAP = (
     "import sys; sys.path.insert(0, sys.argv.pop(1)); "
-    "from trainer_svc.reward_worker import main; main(sys.argv[1:])"
+    "from trainer_svc.inputs.reward_worker import main; main(sys.argv[1:])"
 )
 Item = tuple[str, str, "str | None"]
 

@@ -7,8 +7,8 @@ package and drives whatever comes back the same way.
   whose version files are spread over processes.
 * ``publish`` -- the ranks of a sharded trainer upload their own files of a version; one commit.
 * ``torch_policy`` -- :class:`TorchPolicy`: a real HF causal LM trained by torch with the
-  run's algorithm (:class:`~trainer_svc.step_trainer.StepTrainer`).
-* ``distributed`` -- :class:`~trainer_svc.policies.distributed.DistributedPolicy`: rank 0 of a
+  run's algorithm (:class:`~trainer_svc.learn.step_trainer.StepTrainer`).
+* ``distributed`` -- :class:`~trainer_svc.learn.policies.distributed.DistributedPolicy`: rank 0 of a
   torchrun job, keeping one ``TorchPolicy`` per rank identical; also joins and leaves the job.
 * ``emu`` -- EMULATION: :class:`EmuPolicy` waits the time a :class:`ComputeModel` gives
   (:data:`PRESETS`) instead of training.
@@ -22,15 +22,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from shared.protocol import RunSpec
-from trainer_svc.compute_model import PRESETS, ComputeModel
-from trainer_svc.model import build_tiny
-from trainer_svc.policies.base import Policy, PublishesItself
-from trainer_svc.policies.distributed import DistributedPolicy, channel
-from trainer_svc.policies.emu import EmuPolicy
-from trainer_svc.policies.publish import WeightsAccess
-from trainer_svc.policies.torch_policy import TorchPolicy
-from trainer_svc.step_trainer import RunShape
-from trainer_svc.tiny_chat import build_tiny_chat
+from trainer_svc.embedded.tiny import build_tiny
+from trainer_svc.embedded.tiny_chat import build_tiny_chat
+from trainer_svc.learn.compute_model import PRESETS, ComputeModel
+from trainer_svc.learn.policies.base import Policy, PublishesItself
+from trainer_svc.learn.policies.distributed import DistributedPolicy, channel
+from trainer_svc.learn.policies.emu import EmuPolicy
+from trainer_svc.learn.policies.publish import WeightsAccess
+from trainer_svc.learn.policies.torch_policy import TorchPolicy
+from trainer_svc.learn.step_trainer import RunShape
 
 __all__ = [
     "PRESETS",

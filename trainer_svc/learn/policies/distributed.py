@@ -4,7 +4,7 @@ Contract:
 
 - Rank 0 runs the ordinary trainer service (NATS, REST, checkpoints, publishing). Its policy is
   a :class:`DistributedPolicy`, which has the same interface as
-  :class:`~trainer_svc.policies.torch_policy.TorchPolicy`; the service cannot tell the two
+  :class:`~trainer_svc.learn.policies.torch_policy.TorchPolicy`; the service cannot tell the two
   apart. Ranks > 0 run :func:`worker_loop` and never touch the network beyond the process group,
   except to upload their own files of a sharded version to the weight service.
 - Every call on rank 0's policy that changes training state is first broadcast as a command
@@ -15,17 +15,18 @@ Contract:
   parameters; ``add_group`` names one owner rank (round-robin over the run): every rank
   records the group (rewards, lengths: what advantages, mini-batches and denominators need)
   and only the owner scores and backpropagates it; ``step`` runs
-  :meth:`~trainer_svc.step_trainer.StepTrainer.step` on every rank, which before each
+  :meth:`~trainer_svc.learn.step_trainer.StepTrainer.step` on every rank, which before each
   optimizer step all-reduces (SUM) the gradients, a per-parameter has-gradient flag and the
   loss-side sums (:func:`all_reduce_grads`); every rank then runs the *same* code on the same
   numbers, so parameters and optimizer state stay identical without ever being sent again.
 - Only rank 0 writes checkpoints: its state equals every other rank's.
-- With a :class:`~trainer_svc.policies.fsdp.ShardingConfig` in ``Setup`` every rank holds a
-  :class:`~trainer_svc.policies.fsdp.ShardedPolicy` instead: no rank holds the whole model,
+- With a :class:`~trainer_svc.learn.policies.fsdp.ShardingConfig` in ``Setup`` every rank holds a
+  :class:`~trainer_svc.learn.policies.fsdp.ShardedPolicy` instead: no rank holds the whole model,
   so every computing call is collective. Rank 0 then hands groups out in rounds of one per
   rank (``AddRound``: as soon as ``world`` groups have arrived, the last partial round at the
   barrier) and every rank restores and saves (``Save``) its own shards, and uploads the files
-  it wrote when rank 0 publishes the version (``Upload``, :mod:`~trainer_svc.policies.publish`).
+  it wrote when rank 0 publishes the version (``Upload``,
+  :mod:`~trainer_svc.learn.policies.publish`).
 - Replicated data parallelism with one explicit all-reduce per optimizer step, on CPU (gloo)
   and CUDA (nccl) alike. DDP does not fit: it all-reduces inside every ``backward``, which
   needs every rank to run the same number of backwards, but here a group is backpropagated by
@@ -60,17 +61,17 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from shared.algorithm import AlgorithmConfig
-from trainer_svc.checkpoint import RunCheckpoints
 from trainer_svc.errors import group_lost
-from trainer_svc.policies.fsdp import ShardedPolicy, ShardingConfig
-from trainer_svc.policies.publish import (
+from trainer_svc.learn.checkpoint import RunCheckpoints
+from trainer_svc.learn.policies.fsdp import ShardedPolicy, ShardingConfig
+from trainer_svc.learn.policies.publish import (
     WeightsAccess,
     publish_from_ranks,
     publish_whole,
     upload_share,
 )
-from trainer_svc.policies.torch_policy import TorchPolicy
-from trainer_svc.step_trainer import Group, RunShape
+from trainer_svc.learn.policies.torch_policy import TorchPolicy
+from trainer_svc.learn.step_trainer import Group, RunShape
 
 log = logging.getLogger("trainer.dist")
 

@@ -1,12 +1,13 @@
-"""GRPO as the self-checks run it: the tuned defaults, the warm-up, one step of groups.
+"""GRPO as the self-checks run it: the tuned defaults, one step of groups.
 
 Contract: the math is the trainer's own: :func:`make_trainer` builds the
-:class:`~trainer_svc.step_trainer.StepTrainer` the service's policies use, with GRPO's paper
-defaults (:mod:`shared.algorithm`: group-normalised advantages, token-mean clipped surrogate,
-no KL term); :func:`train_step` feeds it one step's responses, a group per
-``samples_per_prompt`` consecutive rows, and takes the optimizer step at
-:func:`learning_rate_at`. So :mod:`trainer_svc.selfcheck` and :mod:`trainer_svc.selfcheck_chat`
-measure exactly what a run trains with, minus the transport.
+:class:`~trainer_svc.learn.step_trainer.StepTrainer` the service's policies use, with GRPO's
+paper defaults (:mod:`shared.algorithm`: group-normalised advantages, token-mean clipped
+surrogate, no KL term); :func:`train_step` feeds it one step's responses, a group per
+``samples_per_prompt`` consecutive rows, and takes the optimizer step at the rate it is given
+(the callers pass :func:`~trainer_svc.learn.schedule.learning_rate_at`, the policies'
+schedule). So :mod:`trainer_svc.selfcheck.arith` and :mod:`trainer_svc.selfcheck.chat` measure
+exactly what a run trains with, minus the transport.
 
 This module knows token id lists, a causal LM and an optimizer; nothing about the wire.
 """
@@ -19,35 +20,16 @@ from typing import Any
 import torch
 
 from shared.algorithm import Algorithm, AlgorithmConfig
-from trainer_svc.algorithms.advantages import is_truncated
-from trainer_svc.step_trainer import Group, RunShape, StepTrainer
+from trainer_svc.learn.algorithms.advantages import is_truncated
+from trainer_svc.learn.step_trainer import Group, RunShape, StepTrainer
 
-# Tuned on the embedded task with trainer_svc/selfcheck.py (AdamW, default betas, no weight
+# Tuned on the embedded task with trainer_svc/selfcheck/arith.py (AdamW, default betas, no weight
 # decay): 25 RL steps lift the tiny model's mean reward by 0.17-0.18 for seeds 0, 1 and 3 but
 # only ~0.06 for seed 2. Above ~8e-4 runs collapse; below ~4e-4 they learn too little.
 DEFAULT_LEARNING_RATE = 6e-4
 DEFAULT_PROMPTS_PER_STEP = 16
 DEFAULT_SAMPLES_PER_PROMPT = 8
 DEFAULT_STEPS = 40
-DEFAULT_LR_WARMUP_STEPS = 5
-
-
-def learning_rate_at(
-    step: int,
-    base_lr: float = DEFAULT_LEARNING_RATE,
-    warmup_steps: int = DEFAULT_LR_WARMUP_STEPS,
-) -> float:
-    """Learning rate for RL step ``step`` (0-based): linear warm-up, then constant.
-
-    Adam's first updates are ``lr * sign(grad)`` for every parameter, whatever the gradient's
-    size; with one noisy group-level estimate per step that is a large step in a mostly
-    random direction, and it visibly undoes the warm-up. Ramping the rate lets the moment
-    estimates average a few steps first. A pure function of the step, so a restarted trainer
-    needs no scheduler state.
-    """
-    if warmup_steps <= 0:
-        return base_lr
-    return base_lr * min(1.0, (step + 1) / warmup_steps)
 
 
 def make_trainer(model: torch.nn.Module, learning_rate: float, max_new_tokens: int,

@@ -21,7 +21,7 @@ Contract:
   and the cause (unknown name, import failure with its message, missing attribute).
 
 Resolution imports user code and may touch ``sys.path``: it is meant to run in a reward
-worker process (:mod:`trainer_svc.reward_worker`), never in the trainer's own.
+worker process (:mod:`trainer_svc.inputs.reward_worker`), never in the trainer's own.
 math-verify's own timeouts use ``signal.alarm``, which works only on a process's main thread;
 the workers call rewards on theirs, so those timeouts stay on.
 """

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from trainer_svc.checkpoint import RunCheckpoints
-from trainer_svc.policies.publish import WeightsAccess
-from trainer_svc.step_trainer import Group
+from trainer_svc.learn.checkpoint import RunCheckpoints
+from trainer_svc.learn.policies.publish import WeightsAccess
+from trainer_svc.learn.step_trainer import Group
 
 
 class Policy(Protocol):

@@ -1,10 +1,10 @@
 """The real policy: an HF causal LM trained by torch with the run's algorithm, in one process.
 
-Contract: :class:`TorchPolicy` keeps the :class:`~trainer_svc.policies.base.Policy` interface
-on the CPU or one GPU; the step's math is :class:`~trainer_svc.step_trainer.StepTrainer`.
+Contract: :class:`TorchPolicy` keeps the :class:`~trainer_svc.learn.policies.base.Policy` interface
+on the CPU or one GPU; the step's math is :class:`~trainer_svc.learn.step_trainer.StepTrainer`.
 With a KL term it also holds the frozen reference policy: the run's initial weights, loaded
 from the model directory (never from a checkpoint, so a restarted trainer has the same one).
-Under torchrun each rank holds one of these and :mod:`trainer_svc.policies.distributed` keeps
+Under torchrun each rank holds one of these and :mod:`trainer_svc.learn.policies.distributed` keeps
 them identical; nothing here knows about ranks beyond the ``reduce`` hook it passes on.
 The module is ``torch_policy``, not ``torch``, so no reader mistakes it for the library.
 """
@@ -17,12 +17,11 @@ from typing import Any
 import torch
 
 from shared.algorithm import AlgorithmConfig
-from trainer_svc import task
-from trainer_svc.checkpoint import RunCheckpoints
-from trainer_svc.grpo import learning_rate_at
-from trainer_svc.model import load_policy
-from trainer_svc.step_meter import StepMeter
-from trainer_svc.step_trainer import Group, Reduce, RunShape, StepTrainer, local_reduce
+from trainer_svc.embedded import task
+from trainer_svc.learn.checkpoint import RunCheckpoints, load_policy
+from trainer_svc.learn.schedule import learning_rate_at
+from trainer_svc.learn.step_meter import StepMeter
+from trainer_svc.learn.step_trainer import Group, Reduce, RunShape, StepTrainer, local_reduce
 
 
 class TorchPolicy:

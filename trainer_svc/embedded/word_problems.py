@@ -8,8 +8,8 @@ Contract:
 - ``generate(seed, n)`` and ``splits(seed, n_train, n_eval)`` are pure functions of their
   arguments (a private ``random.Random``, never the global RNG). ``splits`` never puts a prompt
   in both splits, so the eval split is held out text, not a re-draw of training prompts.
-- The files shipped under ``examples/data/`` are ``python -m trainer_svc.word_problems --out
-  examples/data`` with the defaults below; a test checks they still equal the generator's
+- The files shipped under ``examples/data/`` are ``python -m trainer_svc.embedded.word_problems
+  --out examples/data`` with the defaults below; a test checks they still equal the generator's
   output. The tiny-chat builder calls this module rather than reading those files, so a model
   builds wherever the package is installed (the images copy packages, not ``examples/``).
 
