@@ -6,6 +6,7 @@
   trainer_svc.embedded.word_problems --out examples/data`` rewrites it).
 * ``tiny_chat`` -- the ``"tiny-chat"`` Qwen2 with a byte-level BPE tokenizer and a chat
   template, warmed up on the word problems.
+* ``model_dir`` -- a model directory built once per key, atomically.
 
 May import ``shared`` and each other only; never the learning code, the service loop or the
 self-checks.

@@ -7,9 +7,9 @@ Contract:
   ``AutoTokenizer.from_pretrained`` load offline. ``<hash>`` covers the architecture, the
   warm-up recipe, the task (name, version, vocabulary) and the seed, so a directory is never
   reused for a different model. The result is a pure function of those inputs.
-- The directory is built in a temporary sibling and renamed into place with ``os.replace``:
-  a reader sees either no directory or a complete one, and of two racing builders one wins
-  and the other discards its copy.
+- The directory is built in a temporary sibling and renamed into place
+  (:func:`~trainer_svc.embedded.model_dir.build_once`): a reader sees either no directory or a
+  complete one, and of two racing builders one wins and the other discards its copy.
 - The warm-up is supervised training on *noisy* targets: each answer digit is replaced by a
   uniformly random digit with probability ``WARMUP_NOISE`` (EOS is kept). We fit the
   expectation of those targets directly (soft labels: ``1 - p + p/10`` on the right digit,
@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +39,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from trainer_svc.embedded import task
+from trainer_svc.embedded.model_dir import build_once
 
 TINY_ARCH: dict[str, Any] = {
     "hidden_size": 64,
@@ -169,20 +167,5 @@ def _build_into(out_dir: Path, seed: int) -> None:
 
 def build_tiny(data_dir: Path, seed: int) -> Path:
     """Build (or return the cached) tiny model directory for ``seed`` under ``data_dir``."""
-    models_dir = Path(data_dir) / "models"
-    final = models_dir / f"tiny-{tiny_key(seed)}"
-    if final.is_dir():
-        return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models_dir))
-    try:
-        _build_into(tmp, seed)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            # Another builder renamed its (identical) copy first; the directory is complete.
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = Path(data_dir) / "models" / f"tiny-{tiny_key(seed)}"
+    return build_once(final, lambda out_dir: _build_into(out_dir, seed))

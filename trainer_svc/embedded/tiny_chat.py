@@ -7,7 +7,8 @@ Contract:
   ``AutoTokenizer.from_pretrained`` load offline. ``<hash>`` covers the architecture, the
   tokenizer and warm-up recipes, the word-problem generator's version and the seed; the
   result is a pure function of those. Built in a temporary sibling and renamed into place
-  (``os.replace``), as ``build_tiny`` does: readers see no directory or a complete one.
+  (:func:`~trainer_svc.embedded.model_dir.build_once`, as ``build_tiny`` is): readers see no
+  directory or a complete one.
 - The tokenizer is byte-level BPE trained here on the word-problem text, with exactly the
   pipeline transformers' ``Qwen2Tokenizer`` rebuilds on load (NFC, Qwen's split regex with
   single digits, ByteLevel bytes), so the directory tokenizes identically through
@@ -30,10 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from trainer_svc.embedded import word_problems
+from trainer_svc.embedded.model_dir import build_once
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +218,7 @@ def _fit(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int)
     return float(loss.detach())
 
 
-def _build_into(out_dir: Path, seed: int) -> dict[str, float]:
+def _build_into(out_dir: Path, seed: int, name: str) -> None:
     started = time.perf_counter()
     tokenizer = train_tokenizer()
     with torch.random.fork_rng(devices=[]):
@@ -234,27 +233,10 @@ def _build_into(out_dir: Path, seed: int) -> dict[str, float]:
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    return {"warmup_loss": loss, "build_s": time.perf_counter() - started}
+    log.info("built %s in %.1fs (warm-up loss %.3f)", name, time.perf_counter() - started, loss)
 
 
 def build_tiny_chat(data_dir: Path, seed: int) -> Path:
     """Build (or return the cached) tiny-chat model directory for ``seed`` under ``data_dir``."""
-    models_dir = Path(data_dir) / "models"
-    final = models_dir / f"tiny-chat-{tiny_chat_key(seed)}"
-    if final.is_dir():
-        return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models_dir))
-    try:
-        stats = _build_into(tmp, seed)
-        log.info("built %s in %.1fs (warm-up loss %.3f)", final.name, stats["build_s"],
-                 stats["warmup_loss"])
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            # Another builder renamed its (identical) copy first; the directory is complete.
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = Path(data_dir) / "models" / f"tiny-chat-{tiny_chat_key(seed)}"
+    return build_once(final, lambda out_dir: _build_into(out_dir, seed, final.name))
