@@ -22,7 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,30 +34,12 @@ from trainer_svc.learn.checkpoint import load_policy
 from trainer_svc.learn.schedule import DEFAULT_LR_WARMUP_STEPS, learning_rate_at
 from trainer_svc.selfcheck import grpo
 
-DEFAULT_WINDOW = 5
-DEFAULT_MIN_GAIN = 0.10
 
+@dataclass(slots=True, kw_only=True)
+class SelfCheckResult(grpo.RewardCurve):
+    """One simulated run's reward curve, and how long it took."""
 
-@dataclass(slots=True)
-class SelfCheckResult:
-    """Per-step mean rewards of one simulated run, and the summary the check is judged on."""
-
-    seed: int
-    step_rewards: list[float] = field(default_factory=list)
     seconds: float = 0.0
-    window: int = DEFAULT_WINDOW
-
-    @property
-    def first(self) -> float:
-        return statistics.fmean(self.step_rewards[: self.window])
-
-    @property
-    def last(self) -> float:
-        return statistics.fmean(self.step_rewards[-self.window :])
-
-    @property
-    def gain(self) -> float:
-        return self.last - self.first
 
 
 def run_rl(
@@ -69,7 +51,7 @@ def run_rl(
     learning_rate: float = grpo.DEFAULT_LEARNING_RATE,
     lr_warmup_steps: int = DEFAULT_LR_WARMUP_STEPS,
     max_new_tokens: int = task.DEFAULT_MAX_NEW_TOKENS,
-    window: int = DEFAULT_WINDOW,
+    window: int = grpo.DEFAULT_WINDOW,
 ) -> SelfCheckResult:
     """Train ``model`` in place with GRPO for ``steps`` steps; returns per-step mean rewards."""
     trainer = grpo.make_trainer(model, learning_rate, max_new_tokens, prompts_per_step,
@@ -105,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=grpo.DEFAULT_STEPS)
     parser.add_argument("--lr", type=float, default=grpo.DEFAULT_LEARNING_RATE)
-    parser.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN)
+    parser.add_argument("--min-gain", type=float, default=grpo.DEFAULT_MIN_GAIN)
     parser.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     # A CLI entry point owns its process: these ops are too small to split across threads,

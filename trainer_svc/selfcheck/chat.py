@@ -51,37 +51,20 @@ DEFAULT_SAMPLES_PER_PROMPT = 8
 DEFAULT_MAX_NEW_TOKENS = 16
 DEFAULT_LEARNING_RATE = 2e-4
 DEFAULT_EVAL_EVERY = 10
-DEFAULT_WINDOW = 5
-DEFAULT_MIN_GAIN = 0.10
 # Eval draws at a step no training sample draws at (theirs count from 0), the same each time,
 # so two evals differ by the policy only.
 EVAL_STEP = -1
 
 
-@dataclass(slots=True)
-class ChatCheckResult:
+@dataclass(slots=True, kw_only=True)
+class ChatCheckResult(grpo.RewardCurve):
     """One seed's curves and timings."""
 
-    seed: int
-    window: int = DEFAULT_WINDOW
-    step_rewards: list[float] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (steps done, eval mean)
     reward_errors: int = 0
     build_s: float = 0.0
     rl_s: float = 0.0
     rl_cpu_s: float = 0.0
-
-    @property
-    def first(self) -> float:
-        return statistics.fmean(self.step_rewards[: self.window])
-
-    @property
-    def last(self) -> float:
-        return statistics.fmean(self.step_rewards[-self.window :])
-
-    @property
-    def gain(self) -> float:
-        return self.last - self.first
 
 
 def problems_dataset(problems: list[word_problems.Problem], name: str) -> PromptDataset:
@@ -159,7 +142,7 @@ async def check_seed(
     learning_rate: float = DEFAULT_LEARNING_RATE,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     eval_every: int = DEFAULT_EVAL_EVERY,
-    window: int = DEFAULT_WINDOW,
+    window: int = grpo.DEFAULT_WINDOW,
 ) -> ChatCheckResult:
     """Build (or reuse) tiny-chat for ``seed``, then run GRPO on the word problems."""
     result = ChatCheckResult(seed=seed, window=window)
@@ -192,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=DEFAULT_LEARNING_RATE)
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY)
-    parser.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN)
+    parser.add_argument("--min-gain", type=float, default=grpo.DEFAULT_MIN_GAIN)
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--train-file", type=Path, default=None,
                         help="JSONL/JSON/Parquet/CSV with prompt and answer (default: generated)")

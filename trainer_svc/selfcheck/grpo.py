@@ -1,4 +1,4 @@
-"""GRPO as the self-checks run it: the tuned defaults, one step of groups.
+"""GRPO as the self-checks run it: the tuned defaults, one step of groups, the curve judged.
 
 Contract: the math is the trainer's own: :func:`make_trainer` builds the
 :class:`~trainer_svc.learn.step_trainer.StepTrainer` the service's policies use, with GRPO's
@@ -7,14 +7,17 @@ surrogate, no KL term); :func:`train_step` feeds it one step's responses, a grou
 ``samples_per_prompt`` consecutive rows, and takes the optimizer step at the rate it is given
 (the callers pass :func:`~trainer_svc.learn.schedule.learning_rate_at`, the policies'
 schedule). So :mod:`trainer_svc.selfcheck.arith` and :mod:`trainer_svc.selfcheck.chat` measure
-exactly what a run trains with, minus the transport.
+exactly what a run trains with, minus the transport. :class:`RewardCurve` is what each check
+is judged on: the mean reward of its last ``window`` steps against its first ``window``.
 
 This module knows token id lists, a causal LM and an optimizer; nothing about the wire.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +33,29 @@ DEFAULT_LEARNING_RATE = 6e-4
 DEFAULT_PROMPTS_PER_STEP = 16
 DEFAULT_SAMPLES_PER_PROMPT = 8
 DEFAULT_STEPS = 40
+DEFAULT_WINDOW = 5
+DEFAULT_MIN_GAIN = 0.10
+
+
+@dataclass(slots=True, kw_only=True)
+class RewardCurve:
+    """Per-step mean train rewards of one seed's run, and the summary the check is judged on."""
+
+    seed: int
+    window: int = DEFAULT_WINDOW
+    step_rewards: list[float] = field(default_factory=list)
+
+    @property
+    def first(self) -> float:
+        return statistics.fmean(self.step_rewards[: self.window])
+
+    @property
+    def last(self) -> float:
+        return statistics.fmean(self.step_rewards[-self.window :])
+
+    @property
+    def gain(self) -> float:
+        return self.last - self.first
 
 
 def make_trainer(model: torch.nn.Module, learning_rate: float, max_new_tokens: int,
