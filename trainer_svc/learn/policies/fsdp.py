@@ -48,12 +48,11 @@ from torch.distributed.fsdp import (
 
 from shared.algorithm import AlgorithmConfig
 from shared.config import TrainerConfig
-from trainer_svc.embedded import task
 from trainer_svc.learn.checkpoint import load_policy
+from trainer_svc.learn.policies.torch_policy import ModelPolicy
 from trainer_svc.learn.schedule import learning_rate_at
 from trainer_svc.learn.sharded_checkpoint import ShardedCheckpoints
-from trainer_svc.learn.step_meter import StepMeter
-from trainer_svc.learn.step_trainer import Group, RunShape, StepTrainer, Work
+from trainer_svc.learn.step_trainer import Group, RunShape, Work
 
 # Kinds of work in the order every rank runs them within a round (module doc).
 _ROUND_ORDER = (Work.STREAM, Work.SCORE)
@@ -125,7 +124,7 @@ def _shares_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return bool({id(p) for p in a.parameters()} & {id(p) for p in b.parameters()})
 
 
-class ShardedPolicy:
+class ShardedPolicy(ModelPolicy):
     """This rank's share of the model; every computing method is collective (module doc)."""
 
     def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
@@ -138,34 +137,19 @@ class ShardedPolicy:
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.model = load_policy(model_dir, dtype=dtype).to(device)
-        self.model.train()
-        shard(self.model, sharding, device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
-                                           weight_decay=0.0)
-        cfg = algorithm or AlgorithmConfig.for_algorithm()
-        reference = None
-        if cfg.needs_reference:
-            reference = load_policy(model_dir, dtype=dtype).to(device)
-            reference.requires_grad_(False)
-            shard(reference, ShardingConfig(sharding.param_dtype, sharding.reduce_dtype), device)
-        self.trainer = StepTrainer(self.model, self.optimizer, cfg, shape or RunShape(),
-                                   task.PAD_ID, reference=reference, reduce=self._reduce)
-        self.learning_rate = learning_rate
-        self.checkpoints = ShardedCheckpoints(run_dir, model_dir)
-        self.eos_id = task.EOS_ID
-        self.vocab_size = int(getattr(self.model.config, "vocab_size", 0))
-        self.meter = StepMeter(device)
         self._pads: list[int] = []  # per optimizer step of this RL step: pads still to run
+        model = load_policy(model_dir, dtype=dtype).to(device)
+        model.train()
+        shard(model, sharding, device)
 
-    def restore(self) -> int:
-        version = self.checkpoints.restore(self.model, self.optimizer)
-        if version == 0:
-            self.checkpoints.save(self.model, self.optimizer, 0)
-        return version
+        def reference() -> torch.nn.Module:
+            frozen = load_policy(model_dir, dtype=dtype).to(device)
+            frozen.requires_grad_(False)
+            shard(frozen, ShardingConfig(sharding.param_dtype, sharding.reduce_dtype), device)
+            return frozen
 
-    def reward(self, prompt: list[int], response: list[int]) -> float:
-        return task.reward(prompt, response)
+        self._train(model, learning_rate, algorithm, shape, reference, self._reduce,
+                    ShardedCheckpoints(run_dir, model_dir), device)
 
     def add_round(self, groups: list[Group | None]) -> None:
         """Record every group; run this rank's (``groups[rank]``), or pad for it."""
@@ -191,10 +175,6 @@ class ShardedPolicy:
         if own is not None and mine is Work.NONE:
             self.trainer.add_group(own, owned=True)  # recorded; it computes nothing
 
-    def reset(self) -> None:
-        self.trainer.reset()
-        self.meter.reset()
-
     def step(self, step_index: int) -> dict[str, Any]:
         with self.meter.timed():
             stats = self._step(step_index)
@@ -206,9 +186,6 @@ class ShardedPolicy:
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self._pads = (most.cpu() - mine).tolist()
         return self.trainer.step(lr=learning_rate_at(step_index, self.learning_rate))
-
-    def save(self, version: int) -> None:
-        self.checkpoints.save(self.model, self.optimizer, version)
 
     def _reduce(self, params: list[torch.nn.Parameter], sums: torch.Tensor) -> torch.Tensor:
         # The gradients are summed already, by the reduce-scatters inside each backward; what is

@@ -6,11 +6,15 @@ With a KL term it also holds the frozen reference policy: the run's initial weig
 from the model directory (never from a checkpoint, so a restarted trainer has the same one).
 Under torchrun each rank holds one of these and :mod:`trainer_svc.learn.policies.distributed` keeps
 them identical; nothing here knows about ranks beyond the ``reduce`` hook it passes on.
+:class:`ModelPolicy` is what it shares with the sharded policy
+(:class:`~trainer_svc.learn.policies.fsdp.ShardedPolicy`): the optimizer, the step trainer and
+its reference policy, the task's reward, and checkpoints of model and optimizer together.
 The module is ``torch_policy``, not ``torch``, so no reader mistakes it for the library.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,33 +28,35 @@ from trainer_svc.learn.step_meter import StepMeter
 from trainer_svc.learn.step_trainer import Group, Reduce, RunShape, StepTrainer, local_reduce
 
 
-class TorchPolicy:
-    """An HF causal LM trained on the CPU or a GPU, in one process."""
+class ModelPolicy:
+    """A real HF causal LM trained by :class:`StepTrainer`; subclasses load (and shard) it."""
 
-    def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None, *,
-                 algorithm: AlgorithmConfig | None = None, shape: RunShape | None = None,
-                 reduce: Reduce = local_reduce) -> None:
-        torch.manual_seed(seed)
-        self.model = load_policy(model_dir, dtype=dtype)
-        if device is not None:
-            self.model.to(device)
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate,
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    trainer: StepTrainer
+    checkpoints: RunCheckpoints
+    meter: StepMeter
+    learning_rate: float
+    eos_id: int
+    vocab_size: int
+
+    def _train(self, model: torch.nn.Module, learning_rate: float,
+               algorithm: AlgorithmConfig | None, shape: RunShape | None,
+               reference: Callable[[], torch.nn.Module], reduce: Reduce,
+               checkpoints: RunCheckpoints, device: torch.device | None) -> None:
+        """Train ``model`` with AdamW (no weight decay); ``reference()`` loads the frozen
+        reference policy, called only when the algorithm has a KL term."""
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate,
                                            weight_decay=0.0)
         cfg = algorithm or AlgorithmConfig.for_algorithm()
-        reference = None
-        if cfg.needs_reference:
-            reference = load_policy(model_dir, dtype=dtype)
-            if device is not None:
-                reference.to(device)
-            reference.requires_grad_(False)
-        self.trainer = StepTrainer(self.model, self.optimizer, cfg, shape or RunShape(),
-                                   task.PAD_ID, reference=reference, reduce=reduce)
+        self.trainer = StepTrainer(model, self.optimizer, cfg, shape or RunShape(), task.PAD_ID,
+                                   reference=reference() if cfg.needs_reference else None,
+                                   reduce=reduce)
         self.learning_rate = learning_rate
-        self.checkpoints = RunCheckpoints(run_dir, model_dir)
+        self.checkpoints = checkpoints
         self.eos_id = task.EOS_ID
-        self.vocab_size = int(getattr(self.model.config, "vocab_size", 0))
+        self.vocab_size = int(getattr(model.config, "vocab_size", 0))
         self.meter = StepMeter(device)
 
     def restore(self) -> int:
@@ -62,13 +68,39 @@ class TorchPolicy:
     def reward(self, prompt: list[int], response: list[int]) -> float:
         return task.reward(prompt, response)
 
-    def add_group(self, group: Group, owned: bool = True) -> None:
-        with self.meter.timed():
-            self.trainer.add_group(group, owned)
-
     def reset(self) -> None:
         self.trainer.reset()
         self.meter.reset()
+
+    def save(self, version: int) -> None:
+        self.checkpoints.save(self.model, self.optimizer, version)
+
+
+class TorchPolicy(ModelPolicy):
+    """An HF causal LM trained on the CPU or a GPU, in one process."""
+
+    def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None, *,
+                 algorithm: AlgorithmConfig | None = None, shape: RunShape | None = None,
+                 reduce: Reduce = local_reduce) -> None:
+        torch.manual_seed(seed)
+        model = load_policy(model_dir, dtype=dtype)
+        if device is not None:
+            model.to(device)
+        model.train()
+
+        def reference() -> torch.nn.Module:
+            frozen = load_policy(model_dir, dtype=dtype)
+            if device is not None:
+                frozen.to(device)
+            return frozen.requires_grad_(False)
+
+        self._train(model, learning_rate, algorithm, shape, reference, reduce,
+                    RunCheckpoints(run_dir, model_dir), device)
+
+    def add_group(self, group: Group, owned: bool = True) -> None:
+        with self.meter.timed():
+            self.trainer.add_group(group, owned)
 
     def step(self, step_index: int) -> dict[str, Any]:
         # The warm-up schedule is a pure function of the step: a restarted trainer needs no
@@ -76,6 +108,3 @@ class TorchPolicy:
         with self.meter.timed():
             stats = self.trainer.step(lr=learning_rate_at(step_index, self.learning_rate))
         return self.meter.finish(stats)
-
-    def save(self, version: int) -> None:
-        self.checkpoints.save(self.model, self.optimizer, version)
