@@ -93,9 +93,6 @@ class ChatFormat:
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return RenderedPrompt(prompt, text, ids)
 
-    def render_many(self, prompts: Sequence[str]) -> list[RenderedPrompt]:
-        return [self.render(p) for p in prompts]
-
     def decode(self, token_ids: Sequence[int]) -> str:
         """A response's text, special tokens (EOS, end of turn, padding) skipped."""
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
