@@ -116,7 +116,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     prompts_per_step: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
     samples_per_prompt: Annotated[int, msgspec.Meta(ge=1, le=512)] = 8  # group size
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=32768)] = 8
-    # AdamW with a 5-step linear warm-up (trainer_svc.grpo.DEFAULT_LEARNING_RATE, tuned there)
+    # AdamW with a 5-step linear warm-up (trainer_svc.selfcheck.grpo.DEFAULT_LEARNING_RATE, tuned there)
     learning_rate: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 6e-4
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 1.0
     # Sampling and prompts are drawn from it (invariant 5), never from the run id.
@@ -481,7 +481,7 @@ class StepFinish(Msg):
 
 
 # What a StepFinish's stats may hold; the manager copies these, and only these, into the step
-# record (trainer_svc.algorithms.stats says what each means).
+# record (trainer_svc.learn.algorithms.stats says what each means).
 STEP_STATS = frozenset({
     "kl", "entropy", "clip_fraction", "grad_norm", "advantage_mean", "advantage_std",
     "response_len_mean", "response_len_max", "truncated_fraction", "streamed_fraction",
