@@ -14,7 +14,8 @@ negative offset or a token id outside the run's vocabulary (``invalid_chunks_dro
 dropped alone: no such entry reaches the commit script, the frame's others do. What a commit
 completed is announced by :mod:`manager_svc.announce` (group events, then the barrier of a
 completed step; the dispatcher calls :meth:`ChunkIngest.barrier` too, for a complete step whose
-barrier a killed manager never announced) before its frames are acked.
+barrier a killed manager never announced) before its frames are acked. How each part of this
+path came to be as it is, with the measurements, is in docs/ingest-history.md.
 """
 
 from __future__ import annotations
@@ -62,18 +63,17 @@ UNPIN = f"$JS.API.CONSUMER.UNPIN.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 INGEST_GROUP = "managers"  # the consumer's one priority group: every replica pulls in it
 PIN_HEADER = "Nats-Pin-Id"
 CACHE_SIZE = 64  # steps whose vocabulary size is remembered
-# Acks sent between yields to the event loop: a part's ~500 acks in one stretch (~10 ms) held
-# the answer of the commit in flight, and with it the next commit, while Redis stood idle.
+# Acks sent between yields to the event loop: a part's acks in one stretch would hold the
+# answer of the commit in flight, and with it the next commit, while Redis stands idle.
 YIELD_EVERY = 64
 
 
 async def bind_consumer(nc: Nats, ack_wait_s: float) -> None:
     """Create the managers' shared durable chunk consumer, or bring an existing one to this
-    configuration. A plain bind kept whatever an older manager created: a stream that outlived
-    an upgrade kept its 30 s ack_wait, and with it the 20 s ingest stalls after a manager
-    SIGKILL that the lease-long ack_wait removed. ack_wait, max_ack_pending and the priority
-    group are editable in place; the server answers an identical configuration with the
-    consumer as it is.
+    configuration: bound as it is, a consumer an older manager created would keep its own
+    ack_wait, and ingest would stall that long after a manager SIGKILL. ack_wait,
+    max_ack_pending and the priority group are editable in place; the server answers an
+    identical configuration with the consumer as it is.
 
     The consumer is one priority group with the ``pinned_client`` policy: of all the manager
     replicas pulling from it, the server delivers to one at a time (the pinned one) and moves
@@ -119,10 +119,9 @@ class ChunkIngest:
         self.redis = redis
         # How long frames pulled by a manager that died stay with it before JetStream delivers
         # them again; the manager's lease TTL, so a restart stalls ingest no longer than a
-        # lost lease stalls a response. At the 30 s this was, the fault campaign saw runs
-        # stand still ~21 s after a manager SIGKILL (3 of 438 heals over the 6.5 s bound).
-        # A batch slower than this to commit is delivered twice: the commit script drops the
-        # second copy as duplicate chunks, so only work is lost, never a token counted twice.
+        # lost lease stalls a response. A batch slower than this to commit is delivered
+        # twice: the commit script drops the second copy as duplicate chunks, so only work
+        # is lost, never a token counted twice.
         self.ack_wait_s = ack_wait_s
         self.nc = nc
         self.ledger = ledger
@@ -132,7 +131,7 @@ class ChunkIngest:
         self.auth = auth
         self._vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size (0: unknown)
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
-        self._in_flight = 0  # frames pulled and not yet acked or terminated
+        self.in_flight = 0  # frames pulled and not yet acked or terminated
         self.announcer = Announcer(redis, nc, ledger, runs, metrics, soft)
         self.stream = CommitStream(redis) if CommitStream.usable(
             redis, ledger.replica_acks) else None
@@ -146,136 +145,22 @@ class ChunkIngest:
         With a batch cut short (pulled, perhaps committed, not acked) the pin is kept: its
         frames come back after ack_wait, when the pin moves anyway, and so still come first
         to the next replica (handed over at once, it would see later frames first: gaps)."""
-        if self.pin is not None and not self._in_flight:
+        if self.pin is not None and not self.in_flight:
             self.pin = None
             self.metrics.ingest_pinned.set(0)
             await unpin(self.nc)
 
     async def consume(self) -> None:
-        """Pull FETCH_BATCH at a time, one request outstanding (so in stream order), answered
-        into a callback subscription: nats-py's ``fetch`` costs two tasks per message.
-
-        Frames are committed by group commit: while Redis runs one commit, this process
-        decodes and checks the frames that arrived (the two were serial, and the checks were
-        a third of a drained step's time), and the next commit takes all of them: sent once
-        the last one has answered or, on a commit stream, behind it (see _may_send). So
-        commits run in stream order and grow with the load: each round trip and AOF fsync
-        (~1.5 ms here) serves whatever queued behind it (fixed parts of 512 entries ran the
-        Redis-only bound at 0.6-0.7x its rate). One at a time, Redis stood idle while this
-        loop read one commit's answer and sent the next (~5 ms a commit, answers being read
-        between checks): a drained step at flush 64 took 0.43 s, 0.38 s pipelined (on
-        another machine than the figures of _may_send)."""
+        """Bind the consumer and run one :class:`_PullLoop` until stopping (or a commit or a
+        settle fails: the supervisor then starts another)."""
         await bind_consumer(self.nc, self.ack_wait_s)
         if self.stream is not None:
             with contextlib.suppress(RedisError):  # else the first commit connects
                 await self.stream.ready([self.ledger.commit_script])
-        self._in_flight = 0  # what a failed run left unacked comes back after ack_wait
-        inbox, arrived, batch = self.nc.new_inbox(), asyncio.Event(), list[NatsMsg]()
-        taken: deque[NatsMsg] = deque()  # pulled, not yet checked
-        part = _Part()  # checked and packed, waiting for the commit in flight to answer
-        commits: deque[asyncio.Future[list[str]]] = deque()  # sent, in order
-        newest = 0  # entries of the commit sent last
-        settles: deque[asyncio.Future[None]] = deque()  # parts committed, not yet settled
-        announced: asyncio.Future[None] | None = None  # the newest part's announcements made
-        due = [0, 0.0]  # messages the outstanding request may still bring, and its expiry
+        self.in_flight = 0  # what a failed run left unacked comes back after ack_wait
+        await _PullLoop(self).run()
 
-        async def on_msg(msg: NatsMsg) -> None:
-            status = JetStreamContext.is_status_msg(msg)
-            if status is None:
-                batch.append(msg)
-                due[0] -= 1
-                pin = (msg.headers or {}).get(PIN_HEADER)
-                if pin and pin != self.pin:
-                    log.info("ingest: this replica now commits the chunk stream")
-                    self.metrics.ingest_pinned.set(1)
-                    self.pin = pin
-            elif status == "423":  # the pin moved to another replica: wait as a standby
-                log.info("ingest: another replica commits the chunk stream now")
-                self.metrics.ingest_pinned.set(0)
-                self.pin, due[0] = None, 0
-            elif status != "100":  # 404/408/409 end a request (100 is an idle heartbeat)
-                due[0] = 0
-            arrived.set()
-
-        sub = await self.nc.subscribe(inbox, cb=on_msg)
-        try:
-            # A request lost to a broker restart never answers: its expiry ends it. A standby
-            # replica's requests (no pin id) are held by the server until the pin is free.
-            # Stopping, what was pulled is still committed: else it waits out ack_wait.
-            while not self.soft.stopping or taken or part.keep:
-                if not self.soft.stopping and (due[0] <= 0 or time.monotonic() > due[1]):
-                    due[:] = [FETCH_BATCH, time.monotonic() + FETCH_WAIT_S]
-                    pull: dict[str, str | int] = {
-                        "batch": FETCH_BATCH, "expires": int(FETCH_WAIT_S * 1e9),
-                        "group": INGEST_GROUP}
-                    if self.pin is not None:
-                        pull["id"] = self.pin
-                    await self.nc.publish(PULL_NEXT, reply=inbox,
-                                          payload=json.dumps(pull).encode())
-                self._in_flight += len(batch)
-                taken.extend(batch)
-                batch.clear()
-                if taken and part.entries < GROUP_MAX:
-                    await self._prepare(taken, part)
-                    await asyncio.sleep(0)  # the commit in flight may answer meanwhile
-                elif part.keep and not self._may_send(commits, taken, part, newest):
-                    # nothing else to check: the oldest commit's answer is next
-                    await asyncio.wait([next(c for c in commits if not c.done())])
-                elif not part.keep:
-                    arrived.clear()
-                    await wait_event(arrived, FETCH_WAIT_S)
-                    continue
-                if part.keep and self._may_send(commits, taken, part, newest):
-                    while commits and commits[0].done():
-                        commits.popleft().result()  # a commit that failed ends ingest here
-                    commit = asyncio.ensure_future(
-                        self._commit(part.calls, commits[-1] if commits else None))
-                    commits.append(commit)
-                    newest = part.entries
-                    before, announced = announced, asyncio.get_running_loop().create_future()
-                    settles.append(asyncio.ensure_future(
-                        self._settle(part, commit, before, announced)))
-                    self.announcer.track(settles[-1])
-                    part = _Part()
-                    while settles and (len(settles) > SETTLING or settles[0].done()):
-                        await settles.popleft()  # what a settle raised ends ingest here
-                    await asyncio.sleep(0)  # the commit goes out now, not after the next check
-        finally:
-            # Committed and acked, or returned by JetStream after ack_wait.
-            pending: list[asyncio.Future[Any]] = [*settles, *commits]
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.gather(*pending)
-            if self.stream is not None:
-                await self.stream.close()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    def _may_send(self, commits: deque[asyncio.Future[list[str]]],
-                  taken: deque[NatsMsg], part: _Part, newest: int) -> bool:
-        """Whether ``part`` goes now: when no commit is in flight; on a commit stream also
-        behind one that is, once the part is as large as the one in flight (up to
-        GROUP_MAX) or nothing is left to check. So Redis has the next commit queued before
-        it ends the one it runs, and a part holds what was checked during one commit:
-        commits grow while Redis is the slower side and shrink while this loop is. Sent at
-        twice the one in flight instead, a drained step's early commits (256, 512, 1,280,
-        2,304 entries) each left Redis idle 5-7 ms, ~30 ms in its first 80, while the next
-        grew, answers being read a turn of this busy loop late: drained flush-64 steps
-        committed 3.37-3.38 M tokens/s (medians of six), against 3.68-3.97 M now."""
-        flying = sum(not c.done() for c in commits)
-        return not flying or (self.stream is not None and flying < PIPELINED and (
-            not taken or part.entries >= min(GROUP_MAX, newest)))
-
-    async def _commit(self, calls: list[Call], before: asyncio.Future[Any] | None
-                      ) -> list[str]:
-        """A part's commit, after the one ``before`` it: pipelined behind it on the commit
-        stream where there is one, else sent once that one has answered. Each entry's
-        status, in order."""
-        again = functools.partial(self.ledger.run_replies, wait_for_redis=True)
-        if self.stream is None:
-            return commit_statuses(await again(calls))
-        return commit_statuses(await self.stream.commit(calls, before, again))
-
-    async def _prepare(self, taken: deque[NatsMsg], part: _Part) -> None:
+    async def check(self, taken: deque[NatsMsg], part: _Part) -> None:
         """Decode, check and pack frames from the left of ``taken`` into ``part``, up to
         COMMIT_SLICE entries (one script call) at a time; a frame that cannot be committed at
         all is terminated now, and a bad entry is counted and dropped alone."""
@@ -327,30 +212,7 @@ class ChunkIngest:
 
     async def _term(self, msg: NatsMsg) -> None:
         await msg.term()
-        self._in_flight -= 1
-
-    async def _settle(self, part: _Part, commit: asyncio.Future[list[str]],
-                      before: asyncio.Future[None] | None,
-                      announced: asyncio.Future[None]) -> None:
-        """After the part's commit, and after the part before it has been announced: announce
-        what it completed (``announced`` is then done, whatever became of it), then ack it. A
-        part is acked only once committed, so after a crash it returns as duplicates; the next
-        part's commit does not wait for this, nor does its announcement wait for these acks:
-        a part's ~500 acks (~10 ms of this loop) held the step's last groups back from the
-        barrier."""
-        try:
-            try:
-                tally = self.announcer.tally(part.frames, iter(await commit))
-                await self.announcer.announce(tally, before)
-            finally:
-                if not announced.done():
-                    announced.set_result(None)
-            for i, msg in enumerate(part.keep, 1):
-                await msg.ack()  # a buffered write: it never yields by itself
-                if not i % YIELD_EVERY:
-                    await asyncio.sleep(0)  # the commit in flight's answer goes first
-        finally:
-            self._in_flight -= len(part.keep)
+        self.in_flight -= 1
 
     async def _reject(self, frame: TokenFrame, entry: FrameEntry, subject: str, result: str,
                       why: str) -> None:
@@ -374,7 +236,165 @@ class ChunkIngest:
         if len(self._vocab) >= CACHE_SIZE:
             self._vocab.clear()
         # Written with the step's creation, so once there it is final, 0 (not checked)
-        # included: not caching 0 cost a Redis round trip per entry of such runs.
+        # included: cached too, or such a run would cost a Redis round trip per entry.
         if stored is not None:
             self._vocab[scope] = int(stored)
         return int(stored or 0)
+
+
+class _PullLoop:
+    """One run of :meth:`ChunkIngest.consume`: pull FETCH_BATCH frames at a time, one request
+    outstanding (so in stream order), answered into a callback subscription (:meth:`on_msg`;
+    nats-py's ``fetch`` costs two tasks per message), and commit them by group commit.
+
+    While Redis runs one commit, this loop decodes and checks the frames that arrived, and the
+    next commit takes all of them: sent once the last one has answered or, on a commit stream,
+    queued behind it (:meth:`_may_send`). So commits run in stream order and grow with the
+    load: each round trip and AOF fsync serves whatever queued behind it, where commits of a
+    fixed size would pay one each, and Redis does not stand idle while this loop reads one
+    commit's answer and sends the next. A committed part is then settled (announced, then
+    acked) behind it while the next commit runs."""
+
+    def __init__(self, ingest: ChunkIngest) -> None:
+        self.ingest = ingest
+        self.inbox = ingest.nc.new_inbox()
+        self.arrived = asyncio.Event()  # on_msg has put something in batch, or a status
+        self.batch: list[NatsMsg] = []  # delivered, not yet taken
+        self.taken: deque[NatsMsg] = deque()  # pulled, not yet checked
+        self.part = _Part()  # checked and packed, waiting for the commit in flight to answer
+        self.commits: deque[asyncio.Future[list[str]]] = deque()  # sent, in order
+        self.newest = 0  # entries of the commit sent last
+        self.settles: deque[asyncio.Future[None]] = deque()  # parts committed, not yet settled
+        self.announced: asyncio.Future[None] | None = None  # the newest part's announcements
+        self.due = 0  # messages the outstanding pull request may still bring
+        self.expires = 0.0  # when it ends (monotonic)
+
+    async def on_msg(self, msg: NatsMsg) -> None:
+        """A pulled frame, or a status that ends the request or moves the pin."""
+        ingest = self.ingest
+        status = JetStreamContext.is_status_msg(msg)
+        if status is None:
+            self.batch.append(msg)
+            self.due -= 1
+            pin = (msg.headers or {}).get(PIN_HEADER)
+            if pin and pin != ingest.pin:
+                log.info("ingest: this replica now commits the chunk stream")
+                ingest.metrics.ingest_pinned.set(1)
+                ingest.pin = pin
+        elif status == "423":  # the pin moved to another replica: wait as a standby
+            log.info("ingest: another replica commits the chunk stream now")
+            ingest.metrics.ingest_pinned.set(0)
+            ingest.pin, self.due = None, 0
+        elif status != "100":  # 404/408/409 end a request (100 is an idle heartbeat)
+            self.due = 0
+        self.arrived.set()
+
+    async def run(self) -> None:
+        ingest = self.ingest
+        sub = await ingest.nc.subscribe(self.inbox, cb=self.on_msg)
+        try:
+            # A request lost to a broker restart never answers: its expiry ends it. A standby
+            # replica's requests (no pin id) are held by the server until the pin is free.
+            # Stopping, what was pulled is still committed: else it waits out ack_wait.
+            while not ingest.soft.stopping or self.taken or self.part.keep:
+                if not ingest.soft.stopping and (
+                        self.due <= 0 or time.monotonic() > self.expires):
+                    await self._pull()
+                ingest.in_flight += len(self.batch)
+                self.taken.extend(self.batch)
+                self.batch.clear()
+                if self.taken and self.part.entries < GROUP_MAX:
+                    await ingest.check(self.taken, self.part)
+                    await asyncio.sleep(0)  # the commit in flight may answer meanwhile
+                elif self.part.keep and not self._may_send():
+                    # nothing else to check: the oldest commit's answer is next
+                    await asyncio.wait([next(c for c in self.commits if not c.done())])
+                elif not self.part.keep:
+                    self.arrived.clear()
+                    await wait_event(self.arrived, FETCH_WAIT_S)
+                    continue
+                if self.part.keep and self._may_send():
+                    await self._send()
+        finally:
+            # Committed and acked, or returned by JetStream after ack_wait.
+            pending: list[asyncio.Future[Any]] = [*self.settles, *self.commits]
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.gather(*pending)
+            if ingest.stream is not None:
+                await ingest.stream.close()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _pull(self) -> None:
+        """Ask for the next FETCH_BATCH frames, answered on this loop's inbox."""
+        self.due, self.expires = FETCH_BATCH, time.monotonic() + FETCH_WAIT_S
+        pull: dict[str, str | int] = {
+            "batch": FETCH_BATCH, "expires": int(FETCH_WAIT_S * 1e9), "group": INGEST_GROUP}
+        if self.ingest.pin is not None:
+            pull["id"] = self.ingest.pin
+        await self.ingest.nc.publish(PULL_NEXT, reply=self.inbox,
+                                     payload=json.dumps(pull).encode())
+
+    def _may_send(self) -> bool:
+        """Whether the part goes now: when no commit is in flight; on a commit stream also
+        behind one that is, once the part is as large as the one in flight (up to
+        GROUP_MAX) or nothing is left to check. So Redis has the next commit queued before
+        it ends the one it runs, and a part holds what was checked during one commit:
+        commits grow while Redis is the slower side and shrink while this loop is. (Waiting
+        until a part was twice the one in flight left Redis idle between a backlog's early
+        commits.)"""
+        flying = sum(not c.done() for c in self.commits)
+        return not flying or (self.ingest.stream is not None and flying < PIPELINED and (
+            not self.taken or self.part.entries >= min(GROUP_MAX, self.newest)))
+
+    async def _send(self) -> None:
+        """Commit the part behind the commits sent, and settle it behind the part before."""
+        commits, settles = self.commits, self.settles
+        while commits and commits[0].done():
+            commits.popleft().result()  # a commit that failed ends ingest here
+        commit = asyncio.ensure_future(
+            self._commit(self.part.calls, commits[-1] if commits else None))
+        commits.append(commit)
+        self.newest = self.part.entries
+        before, self.announced = self.announced, asyncio.get_running_loop().create_future()
+        settles.append(asyncio.ensure_future(
+            self._settle(self.part, commit, before, self.announced)))
+        self.ingest.announcer.track(settles[-1])
+        self.part = _Part()
+        while settles and (len(settles) > SETTLING or settles[0].done()):
+            await settles.popleft()  # what a settle raised ends ingest here
+        await asyncio.sleep(0)  # the commit goes out now, not after the next check
+
+    async def _commit(self, calls: list[Call], before: asyncio.Future[Any] | None
+                      ) -> list[str]:
+        """A part's commit, after the one ``before`` it: pipelined behind it on the commit
+        stream where there is one, else sent once that one has answered. Each entry's
+        status, in order."""
+        ingest = self.ingest
+        again = functools.partial(ingest.ledger.run_replies, wait_for_redis=True)
+        if ingest.stream is None:
+            return commit_statuses(await again(calls))
+        return commit_statuses(await ingest.stream.commit(calls, before, again))
+
+    async def _settle(self, part: _Part, commit: asyncio.Future[list[str]],
+                      before: asyncio.Future[None] | None,
+                      announced: asyncio.Future[None]) -> None:
+        """After the part's commit, and after the part before it has been announced: announce
+        what it completed (``announced`` is then done, whatever became of it), then ack it. A
+        part is acked only once committed, so after a crash it returns as duplicates; the next
+        part's commit does not wait for this, nor does its announcement wait for these acks,
+        which would hold the step's last groups back from the barrier."""
+        ingest = self.ingest
+        try:
+            try:
+                tally = ingest.announcer.tally(part.frames, iter(await commit))
+                await ingest.announcer.announce(tally, before)
+            finally:
+                if not announced.done():
+                    announced.set_result(None)
+            for i, msg in enumerate(part.keep, 1):
+                await msg.ack()  # a buffered write: it never yields by itself
+                if not i % YIELD_EVERY:
+                    await asyncio.sleep(0)  # the commit in flight's answer goes first
+        finally:
+            ingest.in_flight -= len(part.keep)
