@@ -1,0 +1,18 @@
+"""The rollout instances: ``GET /v1/instances``, each with ``id``, ``kind``, ``state`` (a
+quarantined one with its ``reason``), ``weight_version`` and ``engine``, as the registry has
+them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from manager_svc.routes.dependencies import Service
+
+router = APIRouter()
+
+
+@router.get("/v1/instances")
+async def instances(service: Service) -> list[dict[str, Any]]:
+    return await service.registry.instances()
