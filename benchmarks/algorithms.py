@@ -33,7 +33,7 @@ import httpx
 from rlboost.launcher import Cluster
 from shared.algorithm import Algorithm
 from shared.process import exit_on_sigterm
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 
 WINDOW = 5  # steps averaged at each end
 # Rows beyond the algorithms' own: a name and the knobs it adds to the spec.

@@ -19,6 +19,7 @@ from shared import names
 from shared import protocol as wire
 from shared.bus import request
 from shared.errors import RlboostError
+from shared.mac import entry_mac
 from shared.process import wait_event
 
 Meta = list[tuple[str, int, bool]]  # per entry: request id, offset after it, final
@@ -102,7 +103,7 @@ class Publisher:
                 entry = wire.FrameEntry.of(
                     request_id=rid, epoch=a.epoch, weight_version=0, offset=off, token_ids=part,
                     final=final, finish_reason=("stop" if stop else "length") if final else None)
-                entry.mac = wire.entry_mac(a.lease_key, self.iid, entry)
+                entry.mac = entry_mac(a.lease_key, self.iid, entry)
                 parts.append((rid, off + len(part), final, entry))
             per.append(parts)
         frames: list[Frame] = []

@@ -38,7 +38,7 @@ from rlboost.launcher import Cluster
 from rollout_svc.engines.emu_models import serving_model
 from shared.hardware import ENGINE_START_S, SPOT_BOOT_S, publish_seconds
 from shared.process import exit_on_sigterm
-from shared.protocol import RunSpec, SeedingSpec
+from shared.spec import RunSpec, SeedingSpec
 from shared.stack import Stack
 from sim.outcome import Outcome
 from trainer_svc.learn.policies import PRESETS

@@ -25,7 +25,7 @@ import msgspec
 
 from rlboost.launcher import Child, Cluster
 from shared.process import exit_on_sigterm
-from shared.protocol import RunSpec, SeedingSpec
+from shared.spec import RunSpec, SeedingSpec
 from shared.stack import Stack
 
 STEPS = 12

@@ -26,17 +26,9 @@ from redis.exceptions import RedisError
 
 from manager_svc.crash import STEP_CREATE_COMMIT, STEP_CREATE_REQUESTS, CrashPoints
 from manager_svc.scripts import Call, register, run_batch
+from shared.digest import RowDigest, row_digest, rows_digest, token_csv
 from shared.names import Keys, parse_request_id, request_id
-from shared.protocol import (
-    Assignment,
-    Digest,
-    RowDigest,
-    Sample,
-    TokenFrame,
-    row_digest,
-    rows_digest,
-    token_csv,
-)
+from shared.protocol import Assignment, Digest, Sample, TokenFrame
 
 log = logging.getLogger("manager")
 # Entries per commit script: frames are packed into one script until they reach this many (a
@@ -290,7 +282,7 @@ class Ledger:
         """The commit script's calls for ``frames``, in order: one per COMMIT_SLICE entries,
         and a new one where the run changes (a call reaches the keys of one run: one slot of
         a Redis Cluster). Every entry of a frame is of the run of its subject (ingest).
-        ``texts``: per frame, :func:`~shared.protocol.token_json` of each entry's ids."""
+        ``texts``: per frame, :func:`~shared.digest.token_json` of each entry's ids."""
         head: list[str | bytes | float] = [time.time(), *self._step_suffixes]
         calls: list[Call] = []
         args, size, run_id = list(head), 0, ""

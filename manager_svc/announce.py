@@ -30,17 +30,10 @@ from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
 from shared import names
+from shared.digest import RowDigest
 from shared.names import Keys, request_id
-from shared.protocol import (
-    MESSAGE_BUDGET,
-    Barrier,
-    FrameEntry,
-    GroupDone,
-    RowDigest,
-    RunSpec,
-    TokenFrame,
-    encode,
-)
+from shared.protocol import MESSAGE_BUDGET, Barrier, FrameEntry, GroupDone, TokenFrame, encode
+from shared.spec import RunSpec
 
 log = logging.getLogger("manager")
 CACHE_SIZE = 64  # runs whose spec, and steps whose barrier count, are remembered

@@ -5,7 +5,7 @@ Contract: the manager holds one secret (created once in Redis under ``Keys.chunk
 every manager replica and every restart agree, and nothing else is stored). The key of a lease
 is HMAC(secret, "<request id>|<epoch>"): derived, never stored, and sent only in the lease's
 :class:`~shared.protocol.Assignment`, on its holder's own subject. The holder stamps each entry
-of its frames with :func:`~shared.protocol.entry_mac` under it. :meth:`ChunkAuth.forged_frame`
+of its frames with :func:`~shared.mac.entry_mac` under it. :meth:`ChunkAuth.forged_frame`
 rejects a frame whose instance differs from the subject it was published on (with the shipped
 NATS config an instance can publish on its own chunk subjects only), and :meth:`ChunkAuth.forged`
 an entry whose MAC does not check out or whose run differs from the subject's, before the commit
@@ -22,8 +22,9 @@ import secrets
 
 import redis.asyncio as aioredis
 
+from shared.mac import entry_digest
 from shared.names import Keys
-from shared.protocol import TOKEN_WIDTH, FrameEntry, TokenFrame, entry_digest
+from shared.protocol import TOKEN_WIDTH, FrameEntry, TokenFrame
 
 # Lease keys remembered: a lease's entries arrive every flush for the whole response, and
 # deriving its key again each time was a second HMAC per entry on the ingest path.

@@ -46,10 +46,11 @@ from manager_svc.runs import RunStore
 from manager_svc.scripts import Call
 from manager_svc.soft_state import SoftState
 from shared import names
+from shared.digest import token_json
 from shared.errors import ProtocolError
 from shared.names import Keys
 from shared.process import wait_event
-from shared.protocol import FrameEntry, TokenFrame, decode, token_json
+from shared.protocol import FrameEntry, TokenFrame, decode
 
 log = logging.getLogger("manager")
 # Frames one pull request asks for, and how long it waits for them.

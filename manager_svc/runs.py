@@ -1,6 +1,6 @@
 """Runs: the spec users submit, and their lifecycle in Redis.
 
-Contract: a run is created from a validated :class:`~shared.protocol.RunSpec` and stored with
+Contract: a run is created from a validated :class:`~shared.spec.RunSpec` and stored with
 it; :meth:`RunStore.spec` gives the manager's parts that spec typed, while :meth:`RunStore.get`
 serves the record, spec included, as the JSON the REST API returns. A run is created
 ``queued``, becomes ``running`` when the manager activates it (one at a time, FIFO), and ends
@@ -27,7 +27,8 @@ from manager_svc.run_history import RunHistory
 from manager_svc.scripts import Call, register, run_batch
 from shared.errors import RlboostError
 from shared.names import Keys
-from shared.protocol import RunSpec, decode, encode
+from shared.protocol import decode, encode
+from shared.spec import RunSpec
 
 RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL = ("succeeded", "failed", "cancelled")

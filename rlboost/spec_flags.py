@@ -1,6 +1,6 @@
 """The run spec on the command line: one typed flag per RunSpec field, and spec files.
 
-Contract: :func:`add_spec_flags` walks :class:`shared.protocol.RunSpec` with
+Contract: :func:`add_spec_flags` walks :class:`shared.spec.RunSpec` with
 ``msgspec.inspect`` and adds one flag per field, nested structs as dotted flags
 (``--steps 10``, ``--seeding.mode fixed``, ``--dataset.path data.jsonl``), each typed and with
 its choices, bounds and default in ``--help``; a field added to RunSpec gets its flag with no
@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 
 DEST = "spec:"  # prefix of the flags' argparse destinations
 NULLS = ("null", "none")

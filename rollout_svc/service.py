@@ -33,6 +33,7 @@ from shared.bus import connect_nats, request
 from shared.config import RolloutConfig
 from shared.errors import ProtocolError, RlboostError
 from shared.identity import new_user_seed
+from shared.mac import entry_mac
 from shared.metrics import serve_metrics
 from shared.process import cancel_and_wait, wait_event
 from shared.protocol import (
@@ -50,7 +51,6 @@ from shared.protocol import (
     decode,
     decode_command,
     encode,
-    entry_mac,
 )
 from shared.settings import reveal
 from shared.weights import PeerServer, pull_version

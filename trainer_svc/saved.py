@@ -15,7 +15,7 @@ every step with the optimizer's state, which a restarted trainer and ``POST /res
 
 from __future__ import annotations
 
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 from shared.weights import pin_version, unpin_version
 
 

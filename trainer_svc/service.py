@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from shared import names
 from shared.bus import connect_nats
 from shared.config import TrainerConfig
+from shared.digest import sample_digest
 from shared.errors import RlboostError
 from shared.metrics import serve_metrics
 from shared.process import cancel_and_wait
@@ -37,16 +38,15 @@ from shared.protocol import (
     STEP_STATS,
     Digest,
     PromptText,
-    RunSpec,
     Sample,
     SampleReward,
     StepClose,
     StepExtend,
     StepFinish,
     StepStart,
-    sample_digest,
 )
 from shared.settings import reveal
+from shared.spec import RunSpec
 from shared.weights import upload_version
 from trainer_svc.dynamic_sampling import Close, Extend, GroupFilter
 from trainer_svc.errors import GroupLost, RunAborted

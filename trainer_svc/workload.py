@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shared.generation import DrawKey, generate
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 from trainer_svc.embedded import task
 from trainer_svc.errors import RunSpecError
 from trainer_svc.inputs.chat import ChatFormat, ChatFormatError, eos_token_ids

@@ -1,6 +1,6 @@
 """Runs: submit, list, read, cancel, resume, and the checkpoints a run keeps.
 
-Contract: ``POST /v1/runs`` takes a :class:`~shared.protocol.RunSpec`, decoded and validated
+Contract: ``POST /v1/runs`` takes a :class:`~shared.spec.RunSpec`, decoded and validated
 by the protocol's own codec (:func:`run_spec_body`), errors shaped like FastAPI's 422s; a step
 larger than RLBOOST_MAX_STEP_RESPONSES is a 422 and a full queue a 429. An unknown run is a 404,
 a resume of a run in the wrong state a 409. :data:`SPEC_SCHEMAS` are the run spec's JSON schemas
@@ -20,7 +20,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from manager_svc.routes.dependencies import Service, run_or_404
 from manager_svc.runs import QueueFull, RunConflict
 from shared.errors import ProtocolError
-from shared.protocol import RunSpec, decode
+from shared.protocol import decode
+from shared.spec import RunSpec
 
 log = logging.getLogger("manager.api")
 # The run spec's JSON schema, from the struct itself, for the OpenAPI document.

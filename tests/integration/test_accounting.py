@@ -10,8 +10,9 @@ import pytest
 
 from manager_svc.accounting import READ_SLICE, Ledger
 from shared.bus import connect_redis
+from shared.digest import sample_digest
 from shared.names import Keys
-from shared.protocol import FrameEntry, TokenFrame, sample_digest
+from shared.protocol import FrameEntry, TokenFrame
 from shared.stack import Stack
 
 RUN = "run-acc"

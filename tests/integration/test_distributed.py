@@ -38,7 +38,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from shared.algorithm import AlgorithmConfig
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 from tests.support.torchrun import run_job
 from trainer_svc.embedded import task
 from trainer_svc.embedded.tiny import tiny_config

@@ -13,8 +13,8 @@ import pytest
 
 from manager_svc.accounting import Ledger, StepRefused
 from shared.bus import connect_redis
+from shared.digest import sample_digest
 from shared.names import Keys
-from shared.protocol import sample_digest
 from shared.stack import Stack
 from tests.integration.test_accounting import chunk, outcome
 

@@ -22,7 +22,8 @@ from manager_svc.soft_state import SoftState
 from shared.bus import connect_redis
 from shared.config import ManagerConfig
 from shared.names import Keys, request_id
-from shared.protocol import Heartbeat, Held, RunSpec, Target
+from shared.protocol import Heartbeat, Held, Target
+from shared.spec import RunSpec
 from shared.stack import Stack
 
 LEASE_TTL_S = 0.6

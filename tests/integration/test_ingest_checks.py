@@ -19,17 +19,10 @@ from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
+from shared.mac import entry_mac
 from shared.names import Keys, request_id
-from shared.protocol import (
-    FrameEntry,
-    RunSpec,
-    TokenFrame,
-    decode,
-    encode,
-    entry_mac,
-    pack_token_ids,
-    unpack_token_ids,
-)
+from shared.protocol import FrameEntry, TokenFrame, decode, encode, pack_token_ids, unpack_token_ids
+from shared.spec import RunSpec
 from shared.stack import Stack
 
 VOCAB = 1000

@@ -27,18 +27,11 @@ from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
+from shared.digest import sample_digest
+from shared.mac import entry_mac
 from shared.names import Keys, request_id
-from shared.protocol import (
-    Barrier,
-    FrameEntry,
-    GroupDone,
-    RunSpec,
-    TokenFrame,
-    decode,
-    encode,
-    entry_mac,
-    sample_digest,
-)
+from shared.protocol import Barrier, FrameEntry, GroupDone, TokenFrame, decode, encode
+from shared.spec import RunSpec
 from shared.stack import Stack
 
 PROMPTS, SAMPLES, INSTANCES, LENGTH, FLUSH = 16, 4, 4, 96, 2

@@ -18,7 +18,8 @@ from rlboost.launcher import Child
 from shared import names
 from shared.bus import request
 from shared.names import Keys
-from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release, RunSpec, encode
+from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release, encode
+from shared.spec import RunSpec
 from shared.stack import Stack, free_port
 
 TOKEN = "s3cret-token"

@@ -28,7 +28,8 @@ from manager_svc.runs import RunStore
 from manager_svc.scripts import Call, run_batch
 from shared.bus import connect_redis
 from shared.names import Keys
-from shared.protocol import FrameEntry, RunSpec, TokenFrame
+from shared.protocol import FrameEntry, TokenFrame
+from shared.spec import RunSpec
 from shared.stack import Server, free_port
 from tests.support.redis_cluster import RedisClusterNodes
 

@@ -10,6 +10,7 @@ import nats
 from nats.aio.msg import Msg as NatsMsg
 
 from shared import names
+from shared.digest import sample_digest
 from shared.protocol import (
     Barrier,
     GroupDone,
@@ -18,7 +19,6 @@ from shared.protocol import (
     StepSamplesQuery,
     decode,
     encode,
-    sample_digest,
 )
 from shared.stack import Stack
 from trainer_svc.manager_client import ManagerClient

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from shared.protocol import RunSpec, decode
+from shared.protocol import decode
+from shared.spec import RunSpec
 from trainer_svc.embedded import task
 from trainer_svc.embedded import tiny_chat as tc
 from trainer_svc.errors import RunSpecError

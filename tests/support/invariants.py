@@ -9,7 +9,9 @@ import httpx
 import msgspec
 import pytest
 
-from shared.protocol import RunSpec, Sample, sample_digest
+from shared.digest import sample_digest
+from shared.protocol import Sample
+from shared.spec import RunSpec
 from trainer_svc.embedded import task
 
 

@@ -35,7 +35,7 @@ import pytest
 from rlboost.launcher import Cluster
 from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import EmuEngine
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 from shared.stack import Stack, wait_port
 from tests.support.chaos import Injector
 from tests.support.cluster import start_cluster, wait_run

@@ -32,8 +32,9 @@ from rlboost.launcher import Cluster
 from shared import names
 from shared.bus import split_credentials
 from shared.identity import new_user_seed
+from shared.mac import entry_mac
 from shared.names import LEASE_PREFIX, Keys
-from shared.protocol import FrameEntry, RunFailed, TokenFrame, encode, entry_mac
+from shared.protocol import FrameEntry, RunFailed, TokenFrame, encode
 from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.algorithm import AlgorithmConfig
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 from tests.unit.test_algorithms_logprobs import _batch, _model
 from trainer_svc.embedded import task
 from trainer_svc.learn.policies import TorchPolicy, make_policy

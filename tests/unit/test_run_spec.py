@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from shared.errors import ProtocolError
-from shared.protocol import RunSpec, decode
+from shared.protocol import decode
+from shared.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 from trainer_svc.saved import kept_versions
 
 

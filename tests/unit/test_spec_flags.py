@@ -11,7 +11,8 @@ import pytest
 
 from rlboost import cli
 from rlboost.spec_flags import add_spec_flags, spec_body
-from shared.protocol import RunSpec, decode
+from shared.protocol import decode
+from shared.spec import RunSpec
 
 
 class Data(msgspec.Struct, kw_only=True):

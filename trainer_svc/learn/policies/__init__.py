@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.protocol import RunSpec
+from shared.spec import RunSpec
 from trainer_svc.embedded.tiny import build_tiny
 from trainer_svc.embedded.tiny_chat import build_tiny_chat
 from trainer_svc.learn.compute_model import PRESETS, ComputeModel
