@@ -58,13 +58,14 @@ from manager_svc.accounting import Ledger, commit_statuses
 from manager_svc.commit_stream import CommitStream
 from manager_svc.ingest import GROUP_MAX
 from rlboost.launcher import Child, Cluster
+from rlboost.stack import Server, Stack, child_env
 from rollout_svc.engines.emu import EmuEngine
 from shared import names
 from shared import protocol as wire
 from shared.bus import connect_nats, connect_redis
 from shared.names import Keys, parse_request_id, request_id
+from shared.ports import free_port
 from shared.process import exit_on_sigterm
-from shared.stack import Server, Stack, child_env, free_port
 
 RAW = "bench.raw"  # the baseline's subject: outside the chunk stream's
 REPEATS = 3  # passes of each kind per flush interval; the median is reported, and the range

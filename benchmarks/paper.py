@@ -35,11 +35,11 @@ import msgspec
 from benchmarks import paper_report
 from benchmarks.trace import Trace, TracePlayer, load
 from rlboost.launcher import Cluster
+from rlboost.stack import Stack
 from rollout_svc.engines.emu_models import serving_model
 from shared.hardware import ENGINE_START_S, SPOT_BOOT_S, publish_seconds
 from shared.process import exit_on_sigterm
 from shared.spec import RunSpec, SeedingSpec
-from shared.stack import Stack
 from sim.outcome import Outcome
 from trainer_svc.learn.policies import PRESETS
 

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Cluster
+from rlboost.stack import Stack
 from shared.process import exit_on_sigterm
-from shared.stack import Stack
 
 SPEC = {"model": "emu", "steps": 6, "prompts_per_step": 16, "samples_per_prompt": 4,
         "max_new_tokens": 512, "seed": 3}

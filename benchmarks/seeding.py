@@ -24,9 +24,9 @@ import httpx
 import msgspec
 
 from rlboost.launcher import Child, Cluster
+from rlboost.stack import Stack
 from shared.process import exit_on_sigterm
 from shared.spec import RunSpec, SeedingSpec
-from shared.stack import Stack
 
 STEPS = 12
 SPEC = RunSpec(model="emu-32b", steps=STEPS, prompts_per_step=32, samples_per_prompt=8,

@@ -25,8 +25,9 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Cluster
+from rlboost.stack import Stack
+from shared.ports import free_port
 from shared.process import exit_on_sigterm
-from shared.stack import Stack, free_port
 
 SPEC = {"model": "emu", "steps": 4, "prompts_per_step": 8, "samples_per_prompt": 4,
         "max_new_tokens": 256, "seed": 7}

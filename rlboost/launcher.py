@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.stack import Stack, child_env, free_port, wait_port
+from rlboost.stack import Stack, child_env
+from shared.ports import free_port, wait_port
 
 
 def _port_or_free(preferred: int) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.stack import Stack
+from rlboost.stack import Stack
 from tests.support.metadata import Handler, Metadata
 
 

@@ -65,7 +65,7 @@ from rollout_svc.engines.base import (
     generation_eos_ids,
     with_stops,
 )
-from shared.stack import free_port
+from shared.ports import free_port
 
 log = logging.getLogger(__name__)
 

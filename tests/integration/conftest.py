@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from rlboost.stack import Stack
 from shared.bus import connect_redis
-from shared.stack import Stack
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import msgspec
 import pytest
 
 from manager_svc.accounting import READ_SLICE, Ledger
+from rlboost.stack import Stack
 from shared.bus import connect_redis
 from shared.digest import sample_digest
 from shared.names import Keys
 from shared.protocol import FrameEntry, TokenFrame
-from shared.stack import Stack
 
 RUN = "run-acc"
 

@@ -24,7 +24,8 @@ import redis
 import redis.exceptions
 
 from rlboost.launcher import Child
-from shared.stack import Stack, _binary, free_port, wait_port
+from rlboost.stack import Stack, server_binary
+from shared.ports import free_port, wait_port
 from shared.weights import upload_version
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,7 +183,7 @@ def test_nats_accepts_each_role_on_its_own_subjects(locked: Stack) -> None:
 
 def test_redis_refuses_missing_or_wrong_password(tmp_path: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([_binary("redis-server"), "--appendonly", "yes", "--requirepass",
+    proc = subprocess.Popen([server_binary("redis-server"), "--appendonly", "yes", "--requirepass",
                              "redis-s3cret", "--port", str(port), "--bind", "127.0.0.1",
                              "--dir", str(tmp_path), "--save", ""],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

@@ -15,12 +15,12 @@ from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
+from rlboost.stack import Stack
 from shared import names
 from shared.bus import connect_nats, connect_redis
 from shared.digest import sample_digest
 from shared.names import Keys
 from shared.protocol import Barrier, FrameEntry, TokenFrame, decode
-from shared.stack import Stack
 
 RUN = "run-barrier"
 

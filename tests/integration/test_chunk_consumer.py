@@ -16,9 +16,9 @@ from nats.aio.client import Client as Nats
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from manager_svc.ingest import bind_consumer
+from rlboost.stack import Stack
 from shared import names
 from shared.bus import ensure_chunk_stream
-from shared.stack import Stack
 
 
 async def priority(nc: Nats) -> tuple[list[str], str, float]:

@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 
 from manager_svc.accounting import Ledger, commit_statuses
 from manager_svc.commit_stream import PIPELINED, CommitStream
+from rlboost.stack import Stack
 from shared.names import Keys
 from shared.protocol import FrameEntry, TokenFrame
-from shared.stack import Stack
 
 RUN, RESPONSES, FLUSH, FRAMES = "run-stream", 8, 4, 120
 COMMITTED = ("ok", "final", "group", "step")

@@ -22,8 +22,9 @@ import pytest
 import redis
 
 from rlboost.launcher import Child
+from rlboost.stack import Stack
 from shared.names import Keys
-from shared.stack import Stack, free_port
+from shared.ports import free_port
 from tests.support.browser import chromium, log_in, page_errors
 from tests.support.synthetic import fill_run
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 
 from manager_svc.accounting import Ledger, StepRefused
+from rlboost.stack import Stack
 from shared.bus import connect_redis
 from shared.digest import sample_digest
 from shared.names import Keys
-from shared.stack import Stack
 from tests.integration.test_accounting import chunk, outcome
 
 RUN = "run-dyn"

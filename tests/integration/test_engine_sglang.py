@@ -23,7 +23,7 @@ import pytest
 
 from rollout_svc.engines import EngineError, GenRequest, TokenEvent
 from rollout_svc.engines.sglang import SGLangEngine
-from shared.stack import free_port, wait_port
+from shared.ports import free_port, wait_port
 from tests.support.sglang_standin import VOCAB
 from trainer_svc.embedded.tiny_chat import train_tokenizer
 from trainer_svc.inputs.chat import ChatFormat

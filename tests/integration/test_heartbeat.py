@@ -19,12 +19,12 @@ from manager_svc.metrics import ManagerMetrics
 from manager_svc.registry import Registry
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
+from rlboost.stack import Stack
 from shared.bus import connect_redis
 from shared.config import ManagerConfig
 from shared.names import Keys, request_id
 from shared.protocol import Heartbeat, Held, Target
 from shared.spec import RunSpec
-from shared.stack import Stack
 
 LEASE_TTL_S = 0.6
 

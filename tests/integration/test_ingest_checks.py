@@ -17,13 +17,13 @@ from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
+from rlboost.stack import Stack
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
 from shared.mac import entry_mac
 from shared.names import Keys, request_id
 from shared.protocol import FrameEntry, TokenFrame, decode, encode, pack_token_ids, unpack_token_ids
 from shared.spec import RunSpec
-from shared.stack import Stack
 
 VOCAB = 1000
 

@@ -25,6 +25,7 @@ from manager_svc.ingest import PIPELINED, ChunkIngest
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
+from rlboost.stack import Stack
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
 from shared.digest import sample_digest
@@ -32,7 +33,6 @@ from shared.mac import entry_mac
 from shared.names import Keys, request_id
 from shared.protocol import Barrier, FrameEntry, GroupDone, TokenFrame, decode, encode
 from shared.spec import RunSpec
-from shared.stack import Stack
 
 PROMPTS, SAMPLES, INSTANCES, LENGTH, FLUSH = 16, 4, 4, 96, 2
 

@@ -15,12 +15,13 @@ import pytest
 import redis
 
 from rlboost.launcher import Child
+from rlboost.stack import Stack
 from shared import names
 from shared.bus import request
 from shared.names import Keys
+from shared.ports import free_port
 from shared.protocol import Ack, Heartbeat, HeartbeatReply, Held, Release, encode
 from shared.spec import RunSpec
-from shared.stack import Stack, free_port
 
 TOKEN = "s3cret-token"
 

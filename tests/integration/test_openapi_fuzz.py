@@ -29,7 +29,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from rlboost.launcher import Child
-from shared.stack import Stack, free_port
+from rlboost.stack import Stack
+from shared.ports import free_port
 
 TOKEN, WEIGHTS_TOKEN = "api-fuzz-token", "weights-fuzz-token"
 EXAMPLES = 12  # per operation: ~20 operations, well under a minute for both services

@@ -26,11 +26,12 @@ from manager_svc.accounting import Ledger
 from manager_svc.archive import Archive
 from manager_svc.runs import RunStore
 from manager_svc.scripts import Call, run_batch
+from rlboost.stack import Server
 from shared.bus import connect_redis
 from shared.names import Keys
+from shared.ports import free_port
 from shared.protocol import FrameEntry, TokenFrame
 from shared.spec import RunSpec
-from shared.stack import Server, free_port
 from tests.support.redis_cluster import RedisClusterNodes
 
 RUN = "run-acks"

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from rlboost.stack import Stack
 from shared.names import Keys
-from shared.stack import Stack
 from tests.integration.test_run_queue import page_through
 from tests.support.manager import running_manager
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.stack import Stack
+from rlboost.stack import Stack
 from tests.support.manager import running_manager
 
 LIMIT = 3

@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from manager_svc.seeding import SeedingState, next_window, retarget
+from rlboost.stack import Stack
 from shared import names
 from shared.bus import request
 from shared.names import Keys
@@ -34,7 +35,6 @@ from shared.protocol import (
     StepStart,
     TrainerPoll,
 )
-from shared.stack import Stack
 from tests.support.manager import running_manager
 
 MEASURED = SeedingState(window_s=60.0, tokens=400_000.0, reserved_rate=4000.0,

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from manager_svc.service import STOP_WAIT_S, ManagerService
+from rlboost.stack import Stack
 from shared import process
 from shared.config import ManagerConfig
+from shared.ports import free_port
 from shared.process import wait_event
-from shared.stack import Stack, free_port
 
 
 async def test_a_cancel_that_lands_as_the_event_fires_still_ends_the_loop() -> None:

@@ -9,6 +9,7 @@ import asyncio
 import nats
 from nats.aio.msg import Msg as NatsMsg
 
+from rlboost.stack import Stack
 from shared import names
 from shared.digest import sample_digest
 from shared.protocol import (
@@ -20,7 +21,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.stack import Stack
 from trainer_svc.manager_client import ManagerClient
 from trainer_svc.step_feed import StepEvents, StepFeed
 

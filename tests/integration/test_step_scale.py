@@ -19,10 +19,10 @@ import httpx
 import nats
 import pytest
 
+from rlboost.stack import Stack
 from shared import names
 from shared.bus import request
 from shared.protocol import Ack, ActiveRun, StepStart, TrainerPoll
-from shared.stack import Stack
 from tests.support.manager import running_manager
 
 PROMPTS, SAMPLES = 1000, 100  # 100,000 responses

@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Child, Cluster
-from shared.stack import Server, Stack, wait_port
+from rlboost.stack import Server, Stack
+from shared.ports import wait_port
 from tests.support.faultproxy import Link
 from tests.support.links import Links
 

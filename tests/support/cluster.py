@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 
 from rlboost.launcher import Cluster
-from shared.stack import Stack, free_port
+from rlboost.stack import Stack
+from shared.ports import free_port
 
 
 def start_cluster(root: Path, stack: Stack, env: dict[str, str] | None = None,

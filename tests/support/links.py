@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from shared.stack import free_port
+from shared.ports import free_port
 from tests.support.faultproxy import Hub, Link
 
 

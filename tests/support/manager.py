@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from rlboost.launcher import Child
-from shared.stack import Stack, free_port
+from rlboost.stack import Stack
+from shared.ports import free_port
 
 
 @contextlib.contextmanager

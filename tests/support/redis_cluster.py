@@ -26,7 +26,8 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from shared.stack import _binary, free_port, wait_port
+from rlboost.stack import server_binary
+from shared.ports import free_port, wait_port
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # a node's cluster bus listens on its port + 10000
@@ -71,7 +72,7 @@ class RedisClusterNodes:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def argv(self, port: int) -> list[str]:
-        return [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+        return [server_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
                 "--dir", str(self.root / f"redis-{port}"), "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
                 "--cluster-replica-validity-factor", "0", "--appendonly", "yes",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlboost.launcher import Cluster
-from shared.stack import Stack
+from rlboost.stack import Stack
 from tests.support.cluster import start_cluster
 
 

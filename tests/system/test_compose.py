@@ -28,8 +28,9 @@ import pytest
 import yaml
 
 from rlboost.launcher import Child
+from rlboost.stack import server_binary
 from shared.identity import new_account_seed, public_key
-from shared.stack import _binary, free_port, wait_port
+from shared.ports import free_port, wait_port
 from tests.support.cluster import wait_run
 from tests.support.invariants import check_run
 from trainer_svc.learn.policies import PRESETS, EmuPolicy
@@ -305,10 +306,10 @@ class Deployment:
             mounts = {c: str(COMPOSE / h) for h, c, *_ in
                       (v.split(":") for v in svc["volumes"] if v.startswith("./"))}
             mounts["/data"] = str(data)
-            argv = [_binary("nats-server"), *[mounts.get(a, a) for a in argv[1:]],
+            argv = [server_binary("nats-server"), *[mounts.get(a, a) for a in argv[1:]],
                     "-a", "127.0.0.1", "-p", str(self.ports[4222]), "-m", str(free_port())]
         elif argv[0] == "redis-server":
-            argv = [_binary("redis-server"), *argv[1:], "--port", str(self.ports[6379]),
+            argv = [server_binary("redis-server"), *argv[1:], "--port", str(self.ports[6379]),
                     "--bind", "127.0.0.1", "--dir", str(data), "--save", ""]
         else:
             assert argv[0] in ("python", "python3"), argv

@@ -26,8 +26,8 @@ import redis
 from manager_svc.crash import POINTS
 from manager_svc.dispatcher import HANDOFF_FLUSH_S
 from rlboost.launcher import Cluster
+from rlboost.stack import Stack
 from shared.names import Keys
-from shared.stack import Stack
 from tests.support.cluster import start_cluster
 from tests.support.invariants import check_run
 from tests.system.test_faults import FAST, REWARD, oracle

@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlboost.launcher import Cluster
-from shared.stack import Stack
+from rlboost.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run, step_records
 from trainer_svc.embedded.tiny_chat import tiny_chat_key

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from rlboost.launcher import Child
+from rlboost.stack import Stack
 from shared.protocol import Sample, encode
-from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
 from tests.system.test_faults import FAST, REWARD

@@ -33,10 +33,11 @@ import msgspec
 import pytest
 
 from rlboost.launcher import Cluster
+from rlboost.stack import Stack
 from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import EmuEngine
+from shared.ports import wait_port
 from shared.spec import RunSpec
-from shared.stack import Stack, wait_port
 from tests.support.chaos import Injector
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run, step_records

@@ -29,13 +29,13 @@ import pytest
 import redis
 
 from rlboost.launcher import Cluster
+from rlboost.stack import Stack
 from shared import names
 from shared.bus import split_credentials
 from shared.identity import new_user_seed
 from shared.mac import entry_mac
 from shared.names import LEASE_PREFIX, Keys
 from shared.protocol import FrameEntry, RunFailed, TokenFrame, encode
-from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
 from tests.system.test_faults import FAST, REWARD, oracle

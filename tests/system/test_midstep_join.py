@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from rlboost.launcher import Child, Cluster
-from shared.stack import Stack
+from rlboost.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run, step_records
 from tests.system.test_faults import FAST, REWARD, oracle

@@ -33,7 +33,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlboost.launcher import Cluster
-from shared.stack import Stack
+from rlboost.stack import Stack
 from tests.support.browser import chromium, log_in, page_errors
 from tests.support.cluster import start_cluster, wait_run
 from trainer_svc.trackers import mlflow_store

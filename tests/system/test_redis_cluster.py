@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from rlboost.stack import Stack
 from shared.names import Keys, tag
-from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
 from tests.support.redis_cluster import RedisClusterNodes, SlotAudit

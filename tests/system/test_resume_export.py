@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlboost.launcher import Cluster
-from shared.stack import Stack
+from rlboost.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
 from trainer_svc.embedded import task

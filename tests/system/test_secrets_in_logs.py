@@ -21,8 +21,8 @@ import httpx
 import pytest
 import redis
 
+from rlboost.stack import Stack
 from shared.names import Keys
-from shared.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.stack import Stack
+from rlboost.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
 from tests.support.tmpfs import tmpfs

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.stack import Server
+from rlboost.stack import Server
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 

