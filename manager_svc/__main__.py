@@ -25,9 +25,8 @@ def main() -> None:
     bind = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
     app = create_app(ManagerService(cfg), bind_host=bind)
     # What is made so far (modules, the app, its routes and models) lives as long as the
-    # process: frozen, the collector stops scanning it. Full collections during a step took
-    # 50-70 ms each (a few per 128-instance step of bench-control-plane, any of them inside
-    # an assignment or a barrier); 3-10 ms frozen.
+    # process: frozen, the collector stops scanning it, and a full collection inside an
+    # assignment or a barrier no longer stalls the loop for long.
     gc.collect()
     gc.freeze()
     # Ingest makes a few tracked objects per frame entry (the entry, its id list), so at the

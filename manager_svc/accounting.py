@@ -36,8 +36,8 @@ log = logging.getLogger("manager")
 # batch goes as several pipelined scripts and other clients' commands get in between them.
 COMMIT_SLICE = 256
 # Responses written per step-creation script. Redis serves nobody while a script runs (and,
-# with appendfsync always, until its AOF write is synced): 512 kept a ping under ~120 ms and
-# the event loop's lag under ~25 ms while 100k responses were written (2,048: 330 ms, 50 ms).
+# with appendfsync always, until its AOF write is synced), so a step's creation goes in slices
+# small enough for pings and the event loop to keep up (docs/ingest-history.md has the figures).
 CREATE_BATCH = 512
 # Responses read by one script call: a reply stays a few MB even at reasoning lengths, and
 # Redis serves other clients between calls.
@@ -64,8 +64,8 @@ def stored_digest(row: Row) -> RowDigest:
 
 
 def _ints(text: str | None) -> list[int]:
-    # The CSV as a JSON array: msgspec parses 512 tokens in ~12 us, a split and int() in ~80;
-    # the manager parses every response at its group's end and again at the barrier.
+    # The CSV as a JSON array, parsed by msgspec in one C call rather than a split and an int()
+    # a token: the manager parses every response at its group's end and again at the barrier.
     return _int_list.decode(f"[{text}]") if text else []
 
 
@@ -93,8 +93,8 @@ def commit_results(replies: list[Any]) -> list[CommitResult]:
 
 
 def commit_statuses(replies: list[Any]) -> list[str]:
-    """Each entry's status alone, of :func:`commit_results`: all ingest counts. A result
-    object per entry was ~0.5 us of the manager's ~10 an entry."""
+    """Each entry's status alone, of :func:`commit_results`: all ingest counts, and it spares
+    ingest's hot path a result object per entry."""
     return [item.partition(" ")[0] for reply in replies for item in str(reply).split(",")]
 
 

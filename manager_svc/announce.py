@@ -42,8 +42,8 @@ ROW_STEPS = 4  # steps whose announced responses' digest parts are kept for thei
 # group does. No part's are read once this much text is held (a 2 M-token step is ~10 MB), so
 # it is passed by one part's at most; what is not held, a group reads when it completes.
 FINISHED_BYTES = 128 << 20
-# Group events made and published between yields to the event loop (~0.1 ms each): the
-# commit in flight waits for its answer to be read, and Redis for the next commit, meanwhile.
+# Group events made and published between yields to the event loop: the commit in flight
+# waits for its answer to be read, and Redis for the next commit, meanwhile.
 GROUPS_PER_YIELD = 8
 Group = tuple[str, int, int]  # run id, step, prompt index
 StepKey = tuple[str, int]
@@ -64,8 +64,7 @@ class Tally:
 class _StoredSample(msgspec.Struct, kw_only=True):
     """A :class:`~shared.protocol.Sample` as the trainer decodes it, with the token lists
     spliced in from their stored text ("1,2,3" is the JSON array's body) rather than parsed
-    and printed back: at flush 64 that was ~20 of the ~45 ms the last part of a drained
-    step spent announcing its groups."""
+    and printed back, which was most of what announcing a drained step's last groups cost."""
 
     request_id: str
     prompt_index: int
@@ -156,8 +155,8 @@ class Announcer:
         held already (:meth:`_hold_finished`), before the barrier of its step."""
         # The part's complete responses are read while the part before it is announced: the
         # group that ends later (mostly in the step's last part, which the barrier waits for)
-        # then reads only what its own part completed. A drained step at flush 64 spent ~47
-        # ms of its ~0.65 s after the last commit, ~25 ms of it reading back its last groups.
+        # then reads only what its own part completed, not the step's last groups whole
+        # after the last commit, where the barrier waits for them.
         hold = asyncio.ensure_future(self._hold_finished(t.finished)) if t.finished else None
         if before is not None:
             await asyncio.wait([before])
@@ -252,9 +251,8 @@ class Announcer:
         this. The parts this replica has in flight are waited for first: the dispatcher reads
         the step complete as soon as Redis has run the last commit, and its barrier used to
         start while ingest was still reading the last part's groups, so both read most of
-        the step (the barrier took ~50 ms of a 0.27 s drained step at flush 64). Made by one
-        of those parts, it is not made again; else (another replica's commit completed it,
-        or the part failed) it is made now."""
+        the step. Made by one of those parts, it is not made again; else (another replica's
+        commit completed it, or the part failed) it is made now."""
         key = (run_id, step)
         made = self._made[key]
         parts = [part for part in self._parts if not part.done()]

@@ -118,8 +118,8 @@ class CommitStream:
 
     async def ready(self, scripts: list[AsyncScript]) -> None:
         """Connect, and load ``scripts``, before the first batch needs them: made by the
-        first commit, the connection waited ~40 ms for turns of a busy event loop while
-        Redis stood idle (the first commit of a backlog)."""
+        first commit, the connection waited for turns of a busy event loop while Redis stood
+        idle (the first commit of a backlog)."""
         async with self._send:
             await self._connection()
             await self._load(scripts)
@@ -157,7 +157,7 @@ class CommitStream:
         if self._conn is None or not self._conn.is_connected:
             pool = self.redis.connection_pool
             # No socket timeout of its own: with one, redis-py writes each batch in a task of
-            # its own (asyncio.wait_for), a turn of ingest's busy event loop (~4 ms) between a
+            # its own (asyncio.wait_for), a turn of ingest's busy event loop between a
             # batch packed and a batch sent, on every commit of a drained step's ramp. Reads
             # keep the pool's timeout (_read), and a read that times out closes the
             # connection, which ends a write stuck behind a Redis that stopped reading.
