@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -137,6 +138,19 @@ def finished_on_arrival(req: GenRequest) -> TokenEvent | None:
     if reason is None:
         return None
     return TokenEvent(req.request_id, done[-1], len(done) - 1, True, reason)
+
+
+def queue_or_close(pending: list[GenRequest], queue: deque[GenRequest]) -> list[TokenEvent]:
+    """Queue each of ``pending`` that has tokens left to generate; the closing events of the
+    rest (:func:`finished_on_arrival`), which generate nothing."""
+    events: list[TokenEvent] = []
+    for req in pending:
+        closing = finished_on_arrival(req)
+        if closing is None:
+            queue.append(req)
+        else:
+            events.append(closing)
+    return events
 
 
 def check_request(req: GenRequest, loaded: tuple[str, int] | None) -> None:

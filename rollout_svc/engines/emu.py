@@ -40,7 +40,7 @@ from rollout_svc.engines.base import (
     Inbox,
     TokenEvent,
     check_request,
-    finished_on_arrival,
+    queue_or_close,
 )
 from rollout_svc.engines.emu_models import response_length
 from shared.protocol import FinishReason
@@ -231,17 +231,11 @@ class EmuEngine:
     def step(self) -> list[TokenEvent]:
         with self._stepping:
             self.host.begin(time.monotonic())
-            events: list[TokenEvent] = []
             pending, aborted = self._inbox.take()
             for request_id in aborted:
                 self._active.pop(request_id, None)
             self._queue = deque(r for r in self._queue if r.request_id not in aborted)
-            for req in pending:
-                closing = finished_on_arrival(req)
-                if closing is None:
-                    self._queue.append(req)
-                else:
-                    events.append(closing)
+            events = queue_or_close(pending, self._queue)
             prefill_tokens = 0
             while self._queue and len(self._active) < self.max_batch:
                 req = self._queue.popleft()

@@ -35,8 +35,8 @@ from rollout_svc.engines.base import (
     TokenEvent,
     check_request,
     finish_reason,
-    finished_on_arrival,
     generation_eos_ids,
+    queue_or_close,
     with_stops,
 )
 from shared.generation import Batch, DrawKey, decode, prefill, sample_token
@@ -187,14 +187,7 @@ class TorchEngine:
             for row in self._wave.rows if self._wave else []:
                 if row.req.request_id in aborted:
                     row.done = True
-        events: list[TokenEvent] = []
-        for req in pending:
-            closing = finished_on_arrival(req)
-            if closing is None:
-                self._queue.append(req)
-            else:
-                events.append(closing)
-        return events
+        return queue_or_close(pending, self._queue)
 
     def _prefill(self) -> list[TokenEvent]:
         reqs = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
