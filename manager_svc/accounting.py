@@ -365,13 +365,22 @@ class Ledger:
         return out
 
     async def revoke(self, rid: str, expected_epoch: int | None = None) -> bool:
+        """Take ``rid`` back (at ``expected_epoch``, if given): the manager's own decision."""
+        return await self._revoke_as(rid, expected_epoch, "") == 1
+
+    async def hand_back(self, rid: str, epoch: int, holder: str) -> int:
+        """``holder`` hands ``rid`` back at ``epoch``: 1 revoked, 0 nothing to do (done or
+        another epoch), -1 refused because ``holder`` does not hold it."""
+        return await self._revoke_as(rid, epoch, holder)
+
+    async def _revoke_as(self, rid: str, expected_epoch: int | None, holder: str) -> int:
         run_id, step, _, _ = parse_request_id(rid)
-        done = await self._revoke(
+        return int(await self._revoke(
             keys=[Keys.request(rid), Keys.lease(rid), Keys.pending(run_id, step),
                   Keys.leased(run_id, step), Keys.step(run_id, step)],
-            args=[rid, "" if expected_epoch is None else expected_epoch, self.migration],
-        )
-        return bool(done)
+            args=[rid, "" if expected_epoch is None else expected_epoch, self.migration,
+                  holder],
+        ))
 
     async def expired_leases(self, run_id: str, step: int) -> list[str]:
         """The step's leased responses whose lease nobody renewed in time, sorted."""

@@ -40,6 +40,11 @@ class ManagerMetrics:
             "rlboost_lease_revocations_total", "Leases taken back, by reason", ["reason"],
             registry=self.registry,
         )
+        self.foreign_releases = Counter(
+            "rlboost_foreign_releases_total",
+            "Leases a release named that its sender did not hold: refused, the holder keeps them",
+            registry=self.registry,
+        )
         # Series at zero from the start, so a dashboard's rate() has them before the first loss.
         for reason in ("preempt", "shutdown", "dead", "expired", "lost"):
             self.revocations.labels(reason)

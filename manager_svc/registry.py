@@ -112,13 +112,21 @@ class Registry:
 
     async def on_release(self, rel: Release) -> Ack:
         await self._await_commits(rel)
-        revoked = 0
+        revoked = foreign = 0
         for held in rel.held:
-            if await self.ledger.revoke(held.request_id, held.epoch):
+            outcome = await self.ledger.hand_back(held.request_id, held.epoch, rel.instance_id)
+            if outcome == 1:
                 self.metrics.revocations.labels(rel.reason).inc()
                 revoked += 1
                 if rel.reason == "handoff":
                     self.crash.reach(HANDOFF_REVOKE)
+            foreign += outcome == -1
+        if foreign:
+            # Another instance's lease named in a release: a hostile or broken sender. Its
+            # holder keeps it; one line per release, however many ids it named.
+            self.metrics.foreign_releases.inc(foreign)
+            log.warning("release from %s named %d lease(s) it does not hold: refused",
+                        rel.instance_id, foreign)
         if rel.held and rel.reason == "preempt":
             await self._count_preemption(revoked)
         if rel.leaving:

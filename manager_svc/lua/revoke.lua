@@ -1,11 +1,15 @@
 -- Takes a response back from its owner: a new epoch fences the old owner's later chunks.
 -- KEYS: req, lease, pending, leased, step | ARGV: rid, expected_epoch ('' = any),
--- mode ('token': the next owner resumes after the committed tokens; 'request': it starts over)
+-- mode ('token': the next owner resumes after the committed tokens; 'request': it starts over),
+-- holder ('' = the manager's own decision; else the instance handing it back, which must hold it)
+-- Returns 1 revoked, 0 nothing to do (done, another epoch, not leased), -1 the holder named is not
+-- the owner: an instance may hand back only what it holds.
 -- include: common.lua
 local req = KEYS[1]
 if redis.call('HGET', req, 'done') == '1' then return 0 end
 local cur = redis.call('HGET', req, 'epoch')
 if ARGV[2] ~= '' and cur ~= ARGV[2] then return 0 end
+if ARGV[4] ~= '' and redis.call('HGET', req, 'owner') ~= ARGV[4] then return -1 end
 if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 0 then return 0 end
 redis.call('HINCRBY', req, 'epoch', 1)
 redis.call('DEL', KEYS[2])

@@ -23,7 +23,7 @@ from rlboost.stack import Stack
 from shared.bus import connect_redis
 from shared.config import ManagerConfig
 from shared.names import Keys, request_id
-from shared.protocol import Heartbeat, Held, Target
+from shared.protocol import Assignment, Heartbeat, Held, Release, Target
 from shared.spec import RunSpec
 
 LEASE_TTL_S = 0.6
@@ -56,14 +56,23 @@ def beat(held: list[Held], version: int | None = 0, run_id: str | None = None,
                      weight_version=version, held=held, capacity=2, session=session)
 
 
+async def leased_to_i1_and_i2(ledger: Ledger, run_id: str
+                              ) -> tuple[tuple[str, Assignment], tuple[str, Assignment]]:
+    """Two responses of step 0, the first leased to i1 and the second to i2."""
+    out = []
+    for sample, instance in ((0, "i1"), (1, "i2")):
+        rid = request_id(run_id, 0, 0, sample)
+        lease = await ledger.assign(rid, instance, 1.0, 0, 2)
+        assert lease is not None
+        out.append((rid, lease))
+    return out[0], out[1]
+
+
 async def test_a_beat_renews_its_own_leases_and_drops_the_rest(
         parts: tuple[Registry, str]) -> None:
     registry, run_id = parts
     ledger = registry.ledger
-    mine, theirs = request_id(run_id, 0, 0, 0), request_id(run_id, 0, 0, 1)
-    a = await ledger.assign(mine, "i1", 1.0, 0, 2)
-    b = await ledger.assign(theirs, "i2", 1.0, 0, 2)
-    assert a is not None and b is not None
+    (mine, a), (theirs, _) = await leased_to_i1_and_i2(ledger, run_id)
     other_run = request_id("run-gone", 3, 0, 0)  # still leased to it, but of another run
     await ledger.r.set(Keys.lease(other_run), "i1:1")
     reply = await registry.on_heartbeat(beat([
@@ -151,3 +160,26 @@ async def test_leases_that_lapse_with_their_instance_are_a_preemption(
     assert metrics.revocations.labels("dead")._value.get() == 2
     assert metrics.revocations.labels("expired")._value.get() == 0
     assert set(rids) <= await registry.redis.smembers(Keys.pending(run_id, 0))
+
+
+async def test_a_release_hands_back_only_the_senders_own_leases(
+        parts: tuple[Registry, str]) -> None:
+    """An instance that names another's lease in a release (ids are predictable, epochs small)
+    takes nothing from it: the holder keeps its lease and epoch, and the refusal is counted.
+    Its own lease in the same release goes back to pending."""
+    registry, run_id = parts
+    ledger = registry.ledger
+    (mine, a), (theirs, b) = await leased_to_i1_and_i2(ledger, run_id)
+    ack = await registry.on_release(Release(instance_id="i1", leaving=False, reason="preempt",
+                                            held=[Held(request_id=theirs, epoch=b.epoch),
+                                                  Held(request_id=mine, epoch=a.epoch)]))
+    assert ack.ok
+    assert await ledger.r.get(Keys.lease(theirs)) == f"i2:{b.epoch}"
+    assert await ledger.r.hget(Keys.request(theirs), "epoch") == str(b.epoch)
+    assert await ledger.r.hget(Keys.request(theirs), "owner") == "i2"
+    assert not await ledger.r.exists(Keys.lease(mine))
+    assert await ledger.r.hget(Keys.request(mine), "epoch") == str(a.epoch + 1)
+    metrics = registry.metrics.registry
+    assert metrics.get_sample_value("rlboost_foreign_releases_total") == 1
+    # The manager's own decisions (load balancing, a dead holder) still take any lease back.
+    assert await ledger.revoke(theirs, b.epoch)
