@@ -17,8 +17,8 @@ from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import EmuEngine
 from shared import names
 from shared import protocol as wire
-from shared.bus import request
-from shared.errors import RlboostError
+from shared.bus import R, decode_reply, request
+from shared.errors import PeerTimeout, RlboostError
 from shared.mac import entry_mac
 from shared.process import wait_event
 
@@ -54,6 +54,32 @@ class Publisher:
         self.finished: dict[str, int] = {}  # final chunk sent: reported until its lease is gone
         self.lost = 0  # responses the manager took back while still being published
         self.beats = 0  # heartbeats the manager answered
+        self._replies: dict[str, asyncio.Future[bytes]] = {}
+        self._inbox: Any = None  # its subscription to its own inbox, once it asks
+        self._asked = 0
+
+    async def ask(self, nc: Any, subject: str, msg: Any, reply_type: type[R],
+                  timeout_s: float) -> R:
+        """A request answered on this instance's own inbox, where alone the manager answers an
+        instance; the fleet shares one connection, where each rollout_svc has its own."""
+        prefix = names.inbox_prefix(self.iid)
+        if self._inbox is None:
+            async def on_reply(reply: Any) -> None:
+                waiting = self._replies.pop(reply.subject, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(reply.data)
+            self._inbox = await nc.subscribe(f"{prefix}.*", cb=on_reply)
+        self._asked += 1
+        inbox = f"{prefix}.{self._asked}"
+        self._replies[inbox] = answer = asyncio.get_running_loop().create_future()
+        try:
+            await nc.publish(subject, wire.encode(msg), reply=inbox)
+            data = await asyncio.wait_for(answer, timeout_s)
+        except TimeoutError:
+            raise PeerTimeout(subject, timeout_s) from None
+        finally:
+            self._replies.pop(inbox, None)
+        return decode_reply(subject, data, reply_type)
 
     async def on_assign(self, msg: Any) -> None:
         command = wire.decode_command(msg.data)
@@ -77,8 +103,8 @@ class Publisher:
         await wait_event(stop, random.Random(self.iid).uniform(0.0, BEAT_S))
         while not stop.is_set():
             try:
-                reply = await request(nc, names.heartbeat_subject(self.iid), self.beat(),
-                                      wire.HeartbeatReply, 5.0)
+                reply = await self.ask(nc, names.heartbeat_subject(self.iid), self.beat(),
+                                       wire.HeartbeatReply, 5.0)
             except RlboostError:  # answered late (or the manager is paused): the next one renews
                 reply = wire.HeartbeatReply()
             else:
@@ -150,8 +176,8 @@ class Step:
         await self.nc.subscribe(names.barrier_subject(self.run_id), cb=on_barrier)
         for p in pubs:
             await self.nc.subscribe(names.assign_subject(p.iid), cb=p.on_assign)
-            await request(self.nc, names.heartbeat_subject(p.iid), p.beat(),
-                          wire.HeartbeatReply, 10.0)
+            await p.ask(self.nc, names.heartbeat_subject(p.iid), p.beat(),
+                        wire.HeartbeatReply, 10.0)
         await request(self.nc, names.TRAINER_POLL, wire.TrainerPoll(trainer_id="bench"),
                       wire.ActiveRun)
         start = wire.StepStart(run_id=self.run_id, step=0, weight_version=0,
@@ -172,5 +198,5 @@ class Step:
         await asyncio.gather(*self.beats)
         await self.http.post(f"/v1/runs/{self.run_id}/cancel")
         for p in pubs:
-            await request(self.nc, names.release_subject(p.iid), wire.Release(
+            await p.ask(self.nc, names.release_subject(p.iid), wire.Release(
                 instance_id=p.iid, held=[], session=p.session), wire.Ack, 10.0)

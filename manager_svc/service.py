@@ -196,11 +196,21 @@ class ManagerService:
                      owner: Callable[[M], str] | None = None) -> None:
         """Answer with ``handler`` one message at a time; with ``key``, in order per key but
         concurrently across keys (all in one queue, heartbeats came late and leases expired).
-        With ``owner``, a message must come on the subject of the instance it names."""
+        With ``owner``, a message must come on the subject of the instance it names, and is
+        answered only on that instance's own inbox. The manager answers with its own
+        permissions, so a reply subject of the sender's choosing (a JetStream API subject, or
+        another instance's) would have the manager act for the sender: such a message is
+        dropped unanswered, and any other request is answered only on an ``_INBOX.`` subject."""
         async def callback(msg: NatsMsg, after: asyncio.Task[None] | None = None) -> None:
             if after is not None:
                 await asyncio.wait([after])
+            answer = bool(msg.reply) and (
+                names.is_own_inbox(names.subject_instance(msg.subject), msg.reply)
+                if owner is not None else msg.reply.startswith(names.INBOX + "."))
             try:
+                if msg.reply and not answer:
+                    raise ProtocolError(kind.__name__, f"reply subject {msg.reply[:80]!r} is "
+                                        "not the sender's inbox")
                 request = decode(msg.data, kind)
                 if owner is not None and owner(request) != names.subject_instance(msg.subject):
                     raise ProtocolError(kind.__name__, "instance id differs from its subject's")
@@ -219,7 +229,7 @@ class ManagerService:
                     self.metrics.handler_errors.labels(subject).inc()
                     log.exception("handler for %s failed", subject)
                     reply = Ack(ok=False, detail=f"manager error: {type(exc).__name__}")
-            if msg.reply:
+            if answer:
                 with contextlib.suppress(Exception):
                     await msg.respond(encode(reply))
 

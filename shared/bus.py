@@ -155,11 +155,16 @@ async def request(
         raise PeerTimeout(subject, timeout_s) from None
     except NatsError as exc:  # disconnected, reconnecting, closed: the bus will come back
         raise PeerTimeout(f"{subject} ({type(exc).__name__})", timeout_s) from None
+    return decode_reply(subject, reply.data, reply_type)
+
+
+def decode_reply(subject: str, data: bytes, reply_type: type[R]) -> R:
+    """The typed reply to a request on ``subject``; a refusal is a :class:`PeerError`."""
     try:
-        return decode(reply.data, reply_type)
+        return decode(data, reply_type)
     except ProtocolError:
         # A handler that failed answers with an Ack instead of the expected reply.
-        ack = decode(reply.data, Ack)
+        ack = decode(data, Ack)
         if ack.ok:
             raise
         raise PeerError(subject, ack.detail, ack.retryable) from None

@@ -45,6 +45,7 @@ TRAINER_CLOSE = f"{PREFIX}.trainer.close"  # dynamic sampling: the step's groups
 WEIGHTS_ANNOUNCE = f"{PREFIX}.weights.announce"
 CHUNK_WILDCARD = f"{PREFIX}.chunk.>"
 AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"
+INBOX = "_INBOX"  # nats-py's default inbox prefix; the manager answers requests there alone
 
 # One id shape for every rollout instance: a NATS subject token and a Redis key part that
 # cannot collide with another key (no ':', '.', '*', '>', spaces), of bounded length.
@@ -82,7 +83,12 @@ def chunk_subject(run_id: str, instance_id: str) -> str:
 
 def inbox_prefix(instance_id: str) -> str:
     """The instance's nats-py inbox prefix: replies to it are readable by it alone."""
-    return f"_INBOX.inst.{instance_id}"
+    return f"{INBOX}.inst.{instance_id}"
+
+
+def is_own_inbox(instance_id: str, subject: str) -> bool:
+    """Whether ``subject`` is in ``instance_id``'s inbox (a reply the instance itself awaits)."""
+    return subject.startswith(inbox_prefix(instance_id) + ".")
 
 
 def subject_instance(subject: str) -> str:

@@ -202,7 +202,8 @@ def test_malformed_bus_messages_are_counted_and_dropped(
     garbage = [b"", b"not json", b'{"type": "Heartbeat"}', b"[1,2,3]", b"\xff\xfe"]
 
     async def send() -> list[bytes]:
-        nc = await nats.connect(brokers.nats.url)
+        # As instance i-1 (its replies on its own inbox), which the trainer's subjects take too.
+        nc = await nats.connect(brokers.nats.url, inbox_prefix=names.inbox_prefix("i-1"))
         replies = []
         for subject in subjects:
             for payload in garbage:
@@ -245,7 +246,7 @@ def test_a_released_session_cannot_come_back_but_a_restart_can(
                          held=[Held(request_id="run-x:0:0:0", epoch=1)], session=session)
 
     async def exchange() -> tuple[HeartbeatReply, HeartbeatReply]:
-        nc = await nats.connect(brokers.nats.url)
+        nc = await nats.connect(brokers.nats.url, inbox_prefix=names.inbox_prefix("spot-7"))
         await request(nc, names.heartbeat_subject("spot-7"), beat("old"), HeartbeatReply)
         await request(nc, names.release_subject("spot-7"),
                       Release(instance_id="spot-7", held=[], session="old"), Ack)
@@ -272,7 +273,7 @@ def test_an_instance_cannot_speak_in_another_ones_name(
         return Heartbeat(instance_id=instance_id, kind="spot", engine="emu", state="ready")
 
     async def exchange() -> list[bytes]:
-        nc = await nats.connect(brokers.nats.url)
+        nc = await nats.connect(brokers.nats.url, inbox_prefix=names.inbox_prefix("spot-1"))
         replies = [
             (await nc.request(names.heartbeat_subject("spot-1"), encode(beat("spot-2")),
                               timeout=5)).data,
@@ -291,6 +292,44 @@ def test_an_instance_cannot_speak_in_another_ones_name(
     assert all(b'"ok":false' in r for r in replies), replies
     assert {i["id"] for i in manager.get("/v1/instances").json()} == {"spot-1"}
     assert manager.get("/v1/instances").status_code == 200
+
+
+def test_an_instance_is_answered_on_its_own_inbox_alone(
+    manager: httpx.Client, brokers: Stack
+) -> None:
+    """The manager answers with its own permissions, so a heartbeat that names a reply subject
+    other than its sender's inbox (a JetStream API subject, another instance's inbox, a bus
+    subject) is dropped unanswered and counted; the stream outlives an attempt to delete it
+    through the manager, and the sender is not registered."""
+    reflect = [f"$JS.API.STREAM.DELETE.{names.CHUNK_STREAM}", names.inbox_prefix("spot-9") + ".x",
+               "_INBOX.plain.x", "rlb.evt.probe"]
+    beat = Heartbeat(instance_id="spot-3", kind="spot", engine="emu", state="ready")
+    before = metric(manager, "rlboost_malformed_messages_total", subject=names.HEARTBEAT_ANY)
+
+    async def exchange() -> tuple[list[bytes], HeartbeatReply, bool]:
+        nc = await nats.connect(brokers.nats.url, inbox_prefix=names.inbox_prefix("spot-3"))
+        seen: list[bytes] = []
+
+        async def probe(msg: nats.aio.msg.Msg) -> None:
+            seen.append(msg.data)
+        for subject in reflect[1:]:
+            await nc.subscribe(subject, cb=probe)
+        for subject in reflect:
+            await nc.publish(names.heartbeat_subject("spot-3"), encode(beat), reply=subject)
+        await nc.flush()
+        await asyncio.sleep(1.0)
+        kept = (await nc.jetstream().stream_info(names.CHUNK_STREAM)).config.name is not None
+        registered = "spot-3" in {i["id"] for i in manager.get("/v1/instances").json()}
+        assert not registered
+        answered = await request(nc, names.heartbeat_subject("spot-3"), beat, HeartbeatReply)
+        await nc.close()
+        return seen, answered, kept
+
+    seen, answered, kept = asyncio.run(exchange())
+    assert seen == [] and kept and answered.revoke == []
+    assert "spot-3" in {i["id"] for i in manager.get("/v1/instances").json()}
+    assert metric(manager, "rlboost_malformed_messages_total",
+                  subject=names.HEARTBEAT_ANY) == before + len(reflect)
 
 
 def test_bodies_are_bounded_and_read_only_after_auth(manager: httpx.Client) -> None:

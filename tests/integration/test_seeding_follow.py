@@ -54,10 +54,10 @@ def beat(instance_id: str, state: InstanceState) -> Heartbeat:
 
 
 async def start_step(nats_url: str, run_id: str) -> None:
+    for spot in ("spot-1", "spot-2"):
+        await beat_once(nats_url, spot, "ready")
     nc = await nats.connect(nats_url)
     try:
-        for spot in ("spot-1", "spot-2"):
-            await request(nc, names.heartbeat_subject(spot), beat(spot, "ready"), HeartbeatReply)
         active = await request(nc, names.TRAINER_POLL, TrainerPoll(trainer_id="t"), ActiveRun)
         assert active.run_id == run_id, active
         ack = await request(nc, names.TRAINER_START, StepStart(
@@ -68,10 +68,11 @@ async def start_step(nats_url: str, run_id: str) -> None:
         await nc.close()
 
 
-async def drain(nats_url: str, instance_id: str) -> None:
-    nc = await nats.connect(nats_url)
+async def beat_once(nats_url: str, instance_id: str, state: InstanceState) -> None:
+    """One heartbeat of ``instance_id`` in ``state``, answered on its own inbox."""
+    nc = await nats.connect(nats_url, inbox_prefix=names.inbox_prefix(instance_id))
     try:
-        await request(nc, names.heartbeat_subject(instance_id), beat(instance_id, "draining"),
+        await request(nc, names.heartbeat_subject(instance_id), beat(instance_id, state),
                       HeartbeatReply)
     finally:
         await nc.close()
@@ -93,7 +94,7 @@ def test_window_is_chosen_again_when_a_spot_instance_drains_inside_it(
     assert float(started["window_s"]) == pytest.approx(chosen)
     assert chosen > 10.0  # the window is still open when the drain arrives
 
-    asyncio.run(drain(nats_url, "spot-2"))
+    asyncio.run(beat_once(nats_url, "spot-2", "draining"))
     deadline = time.monotonic() + 15
     while r.hget(step_key, "spot_count") != "1" and time.monotonic() < deadline:
         time.sleep(0.1)
