@@ -76,10 +76,12 @@ class Common(Settings):
         "RLBOOST_WEIGHTS_URL", "http://127.0.0.1:8001", "the weight service; it listens on this "
         "URL's port")
     api_token: SecretStr | None = setting(
-        "RLBOOST_API_TOKEN", None, "REST bearer token; unset = open (local dev only)")
+        "RLBOOST_API_TOKEN", None, "REST bearer token; unset = open, allowed only where the "
+        "manager listens on loopback (it refuses to start open beyond it)")
     weights_token: SecretStr | None = setting(
         "RLBOOST_WEIGHTS_TOKEN", None, "the weight service's write token: upload, commit, pin "
-        "(the trainer; it reads too); unset with no read token = open")
+        "(the trainer; it reads too); unset with no read token = open, allowed only on a "
+        "loopback URL (the weight service refuses to start without it beyond)")
     weights_read_token: SecretStr | None = setting(
         "RLBOOST_WEIGHTS_READ_TOKEN", None, "the weight service's read token: manifests, "
         "downloads, peer registration (rollout instances and their peers)")

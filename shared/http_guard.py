@@ -21,6 +21,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.errors import ConfigError
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Paths that say how a service is doing or how to call it: open or guarded by RLBOOST_EXPOSE.
 INFO_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
@@ -40,6 +42,14 @@ class Access:
 
 
 Rule = Callable[[str, str], Access]  # (method, path) -> what the route needs
+
+
+def refuse_open_bind(bind_host: str, token: object | None, setting: str) -> None:
+    """A service bound beyond loopback with no token for ``setting`` would take anyone's
+    requests: a :class:`ConfigError` naming the setting, before it listens."""
+    if token is None and bind_host not in LOOPBACK:
+        raise ConfigError(setting, f"unset, but the service would listen on {bind_host}, "
+                          "beyond this machine: set it, or use a loopback URL")
 
 
 def info_open(expose: str, bind_host: str) -> bool:

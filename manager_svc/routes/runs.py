@@ -78,6 +78,7 @@ async def create_run(spec: Annotated[RunSpec, Depends(run_spec_body)],
 async def list_runs(response: Response, service: Service,
                     limit: Annotated[int, Query(ge=1, le=RUNS_PAGE_MAX)] = 100,
                     cursor: Annotated[float | None, Query(
+                        allow_inf_nan=False,  # a cursor is a creation time: nan sorts nowhere
                         description="the X-Next-Cursor header of the previous page")] = None,
                     ) -> list[dict[str, Any]]:
     """Runs, newest first, ``limit`` per page; a next page's cursor comes in the

@@ -69,6 +69,31 @@ def services(brokers: Stack, tmp_path: Path) -> Iterator[tuple[str, str]]:
                 child.proc.wait(timeout=15)
 
 
+@pytest.mark.parametrize(("module", "url_var", "token_var"), [
+    ("manager_svc", "RLBOOST_MANAGER_URL", "RLBOOST_API_TOKEN"),
+    ("weight_svc", "RLBOOST_WEIGHTS_URL", "RLBOOST_WEIGHTS_TOKEN"),
+])
+def test_a_service_beyond_loopback_refuses_to_start_open(
+    module: str, url_var: str, token_var: str, brokers: Stack, tmp_path: Path
+) -> None:
+    """Bound beyond this machine (a DNS name binds every interface) with no token, a service
+    would take anyone's requests: it exits before listening, naming the setting, with no
+    traceback. With the token the same bind serves."""
+    env = {**os.environ, **brokers.env(), url_var: f"http://rlboost.invalid:{free_port()}",
+           "RLBOOST_DATA_DIR": str(tmp_path / "data")}
+    env.pop(token_var, None)
+    proc = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    assert token_var in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    port = free_port()  # the same bind, now with its token: it serves
+    env = {**brokers.env(), url_var: f"http://rlboost.invalid:{port}", token_var: "t0ken",
+           "RLBOOST_DATA_DIR": str(tmp_path / "data"), "RLBOOST_PARENT_PID": str(os.getpid())}
+    child = start_http(module, module, env, f"http://127.0.0.1:{port}", tmp_path)
+    child.signal(15)
+    assert child.proc is not None and child.proc.wait(timeout=15) is not None
+
+
 def test_rest_surfaces_refuse_missing_or_wrong_tokens(services: tuple[str, str]) -> None:
     manager, weights = services
     for headers in BAD_HEADERS:

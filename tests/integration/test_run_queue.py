@@ -85,3 +85,6 @@ def test_runs_are_paged_newest_first_without_gaps(brokers: Stack, tmp_path: Path
         assert [r["id"] for r in listed] == made[::-1]
         assert {"id", "state", "step", "steps"} <= set(listed[0])
         assert client.get("/v1/runs", params={"limit": 0}).status_code == 422
+        for bad in ("nan", "inf", "-inf", "soon"):  # a cursor is a finite creation time
+            resp = client.get("/v1/runs", params={"cursor": bad})
+            assert resp.status_code == 422 and resp.json()["detail"], (bad, resp.text)
