@@ -18,6 +18,16 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# veRL, for tests/unit/test_algorithms_verl.py (every algorithm against veRL's own functions).
+# Its metadata pins transformers below ours, so no extra can hold it: it and what its CPU
+# imports need go in without dependency resolution, for the test tiers only (not make run).
+VERL_CPU := verl==0.9.1 ray==2.60.0 tensordict==0.10.0 omegaconf==2.4.0 codetiming==1.4.0 \
+            pyvers==0.2.3 msgpack==1.2.4 attrs==26.1.0 jsonschema==4.26.0 \
+            jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+$(BIN)/.verl: $(BIN)/.installed
+	$(BIN)/pip install -q --no-deps $(VERL_CPU)
+	touch $@
+
 run: venv
 	$(BIN)/rlboost up --seed $(SEED) --steps $(STEPS)
 
@@ -31,12 +41,12 @@ lint: venv
 TIERS  := tests/unit tests/integration tests/system
 PYTEST := $(BIN)/pytest -q -p no:cacheprovider --durations=25
 
-pytest: venv
+pytest: venv $(BIN)/.verl
 	$(PYTEST) $(TIERS)
 
 test: lint pytest
 
-test-fast: venv
+test-fast: venv $(BIN)/.verl
 	$(PYTEST) tests/unit tests/integration
 
 clean:

@@ -1,12 +1,10 @@
 """The algorithms against veRL's own functions (``verl.trainer.ppo.core_algos``), where installed.
 
-veRL is not a dependency: its package metadata pins transformers below the version rlboost
-uses, so it cannot sit in a resolved extra. It imports on the CPU, without its GPU stack, after
-
-    pip install --no-deps verl==0.9.1
-    pip install ray==2.60.0 tensordict==0.10.0 omegaconf==2.3.0 codetiming==1.4.0
-
-and this module is skipped where it does not. veRL works on padded ``(batch, length)`` tensors
+veRL is no extra of rlboost's: its package metadata pins transformers below the version
+rlboost uses, so it cannot sit in a resolved extra. It imports on the CPU, without its GPU
+stack, from the packages the Makefile's ``VERL_CPU`` installs without dependency resolution
+(``make test`` and ``make test-fast`` do, before the tiers run); elsewhere this module is
+skipped, saying so. veRL works on padded ``(batch, length)`` tensors
 with a response mask; the helpers below pad rlboost's ragged rows to compare.
 
 Known, documented differences (asserted below, so a change on either side is noticed):
