@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from shared import spec as shared_spec
 from shared.generation import DrawKey, generate
 from shared.spec import RunSpec
 from trainer_svc.embedded import task
@@ -233,5 +234,5 @@ async def open_workload(spec: RunSpec, data_dir: Path, reward_path: Sequence[str
     return DatasetWorkload(spec, train, held_out, scorer)
 
 
-def _dataset(d: Any) -> DatasetSpec:
+def _dataset(d: shared_spec.DatasetSpec | shared_spec.EvalSpec) -> DatasetSpec:
     return DatasetSpec(d.path, d.prompt_key, d.answer_key, d.split)

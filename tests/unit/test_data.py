@@ -14,7 +14,6 @@ import pytest
 from trainer_svc.inputs.data import (
     DatasetError,
     DatasetSpec,
-    EvalSpec,
     PromptDataset,
     draw_indices,
     load_prompts,
@@ -99,19 +98,6 @@ def test_draw_walks_epochs_each_a_fresh_permutation() -> None:
     assert first != second
     # n larger than the dataset wraps into further epochs within one step.
     assert sorted(draw_indices(7, 0, 2 * size, size)) == sorted(list(range(size)) * 2)
-
-
-def test_eval_spec() -> None:
-    spec = EvalSpec.from_mapping({"path": "e.jsonl", "every": 5})
-    assert (spec.prompt_key, spec.answer_key) == ("prompt", "answer")
-    assert [s for s in range(12) if spec.due(s)] == [0, 5, 10]
-    assert spec.dataset() == DatasetSpec("e.jsonl")
-    with pytest.raises(DatasetError, match="every must be >= 1"):
-        EvalSpec.from_mapping({"path": "e.jsonl", "every": 0})
-    with pytest.raises(DatasetError, match="unknown field"):
-        DatasetSpec.from_mapping({"path": "d.jsonl", "prompts": "q"})
-    with pytest.raises(DatasetError, match="prompt_key must be str"):
-        DatasetSpec.from_mapping({"path": "d.jsonl", "prompt_key": 3})
 
 
 def test_a_local_load_makes_no_network_lookup(tmp_path: Path,

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,57 +47,13 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class DatasetSpec:
-    """The run spec's ``dataset`` object."""
+    """Where a run's prompts are: the run spec's ``dataset`` (or ``eval``) as the loader takes
+    it; the fields were checked where the spec was decoded (:mod:`shared.spec`)."""
 
     path: str
     prompt_key: str = "prompt"
     answer_key: str | None = "answer"
     split: str = "train"
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> DatasetSpec:
-        return cls(**_checked_fields(cls, raw))
-
-
-@dataclass(frozen=True, slots=True)
-class EvalSpec:
-    """The run spec's ``eval`` object: held-out prompts generated every ``every`` steps."""
-
-    path: str
-    every: int
-    prompt_key: str = "prompt"
-    answer_key: str | None = "answer"
-    split: str = "train"
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> EvalSpec:
-        spec = cls(**_checked_fields(cls, raw))
-        if spec.every < 1:
-            raise DatasetError(spec.path, f"eval.every must be >= 1, got {spec.every}", "every")
-        return spec
-
-    def dataset(self) -> DatasetSpec:
-        return DatasetSpec(self.path, self.prompt_key, self.answer_key, self.split)
-
-    def due(self, step: int) -> bool:
-        """Whether step ``step`` (0-based, counted before it trains) is evaluated."""
-        return step % self.every == 0
-
-
-def _checked_fields(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
-    names = {f.name: f for f in fields(cls)}
-    path = str(raw.get("path", "?"))
-    unknown = sorted(set(raw) - set(names))
-    if unknown:
-        raise DatasetError(path, f"unknown field(s) {', '.join(unknown)}", unknown[0])
-    if "path" not in raw or not isinstance(raw["path"], str) or not raw["path"]:
-        raise DatasetError(path, "needs a non-empty string 'path'", "path")
-    for key, value in raw.items():
-        want = int if key == "every" else str
-        ok = isinstance(value, want) and not isinstance(value, bool)
-        if not ok and not (key == "answer_key" and value is None):
-            raise DatasetError(path, f"{key} must be {want.__name__}, got {value!r}", key)
-    return dict(raw)
 
 
 @dataclass(frozen=True, slots=True)
