@@ -24,7 +24,7 @@ venv: $(BIN)/.installed
 VERL_CPU := verl==0.9.1 ray==2.60.0 tensordict==0.10.0 omegaconf==2.4.0 codetiming==1.4.0 \
             pyvers==0.2.3 msgpack==1.2.4 attrs==26.1.0 jsonschema==4.26.0 \
             jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-$(BIN)/.verl: $(BIN)/.installed
+$(BIN)/.verl: $(BIN)/.installed Makefile
 	$(BIN)/pip install -q --no-deps $(VERL_CPU)
 	touch $@
 

@@ -12,6 +12,7 @@ from itertools import zip_longest
 from typing import Any
 
 import httpx
+from nats.errors import Error as NatsError
 
 from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import EmuEngine
@@ -55,7 +56,7 @@ class Publisher:
         self.lost = 0  # responses the manager took back while still being published
         self.beats = 0  # heartbeats the manager answered
         self._replies: dict[str, asyncio.Future[bytes]] = {}
-        self._inbox: Any = None  # its subscription to its own inbox, once it asks
+        self._listening = False  # subscribed to its own inbox (on its first request)
         self._asked = 0
 
     async def ask(self, nc: Any, subject: str, msg: Any, reply_type: type[R],
@@ -63,19 +64,20 @@ class Publisher:
         """A request answered on this instance's own inbox, where alone the manager answers an
         instance; the fleet shares one connection, where each rollout_svc has its own."""
         prefix = names.inbox_prefix(self.iid)
-        if self._inbox is None:
+        if not self._listening:
             async def on_reply(reply: Any) -> None:
                 waiting = self._replies.pop(reply.subject, None)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(reply.data)
-            self._inbox = await nc.subscribe(f"{prefix}.*", cb=on_reply)
+            await nc.subscribe(f"{prefix}.*", cb=on_reply)
+            self._listening = True
         self._asked += 1
         inbox = f"{prefix}.{self._asked}"
         self._replies[inbox] = answer = asyncio.get_running_loop().create_future()
         try:
             await nc.publish(subject, wire.encode(msg), reply=inbox)
             data = await asyncio.wait_for(answer, timeout_s)
-        except TimeoutError:
+        except (TimeoutError, NatsError):  # as shared.bus.request: the next beat may get through
             raise PeerTimeout(subject, timeout_s) from None
         finally:
             self._replies.pop(inbox, None)

@@ -3,7 +3,7 @@
 EMULATION of GPU time on the real control plane. Rollout instances run the ``emu`` engine
 (decode/prefill/load times of the chosen model class on H100s,
 ``rollout_svc.engines.emu_models``); the trainer waits the modelled training time
-(``trainer_svc.learn.policies.emu.PRESETS``). The manager, weight service, NATS JetStream,
+(``trainer_svc.learn.compute_model.PRESETS``). The manager, weight service, NATS JetStream,
 Redis, leases, migration and weight pulls are the real system, and spot instances are real
 processes started and preempted by a real availability trace.
 

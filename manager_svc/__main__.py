@@ -11,7 +11,6 @@ import uvicorn
 from manager_svc.app import create_app
 from manager_svc.service import ManagerService
 from shared.config import ManagerConfig, url_port
-from shared.errors import ConfigError
 from shared.http_guard import LOOPBACK, refuse_open_bind
 from shared.logs import setup_logging
 from shared.process import die_with_parent
@@ -25,10 +24,7 @@ def main() -> None:
     setup_logging(cfg.common.log_level, "manager")
     host = urlparse(cfg.common.manager_url).hostname or "127.0.0.1"
     bind = host if host in LOOPBACK else "0.0.0.0"
-    try:
-        refuse_open_bind(bind, cfg.common.api_token, "RLBOOST_API_TOKEN")
-    except ConfigError as exc:
-        raise SystemExit(f"manager: {exc}") from None
+    refuse_open_bind("manager", bind, cfg.common.api_token, "RLBOOST_API_TOKEN")
     app = create_app(ManagerService(cfg), bind_host=bind)
     # What is made so far (modules, the app, its routes and models) lives as long as the
     # process: frozen, the collector stops scanning it, and a full collection inside an

@@ -159,7 +159,11 @@ class ChunkIngest:
             with contextlib.suppress(RedisError):  # else the first commit connects
                 await self.stream.ready([self.ledger.commit_script])
         self.in_flight = 0  # what a failed run left unacked comes back after ack_wait
-        await _PullLoop(self).run()
+        try:
+            await _PullLoop(self).run()
+        finally:  # the loop has waited for its commits: nothing uses the stream now
+            if self.stream is not None:
+                await self.stream.close()
 
     async def check(self, taken: deque[NatsMsg], part: _Part) -> None:
         """Decode, check and pack frames from the left of ``taken`` into ``part``, up to
@@ -321,8 +325,6 @@ class _PullLoop:
             pending: list[asyncio.Future[Any]] = [*self.settles, *self.commits]
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.gather(*pending)
-            if ingest.stream is not None:
-                await ingest.stream.close()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 

@@ -106,7 +106,7 @@ class ManagerService:
         await ensure_chunk_stream(self.nc.jetstream(), self.cfg.stream_replicas)
         await self.runs.sweep()  # runs that ended as a manager died: archive, expire
         await self._serve(names.HEARTBEAT_ANY, Heartbeat, self.registry.on_heartbeat,
-                          key=lambda hb: hb.instance_id, owner=lambda hb: hb.instance_id)
+                          owner=lambda hb: hb.instance_id, ordered=True)
         await self._serve(names.RELEASE_ANY, Release, self.registry.on_release,
                           owner=lambda rel: rel.instance_id)
         await self._serve(names.TRAINER_POLL, TrainerPoll, self.trainer.on_poll)
@@ -192,10 +192,10 @@ class ManagerService:
                 await asyncio.sleep(0.5)
 
     async def _serve(self, subject: str, kind: type[M], handler: Callable[[M], Awaitable[Any]],
-                     key: Callable[[M], str] | None = None,
-                     owner: Callable[[M], str] | None = None) -> None:
-        """Answer with ``handler`` one message at a time; with ``key``, in order per key but
-        concurrently across keys (all in one queue, heartbeats came late and leases expired).
+                     owner: Callable[[M], str] | None = None, ordered: bool = False) -> None:
+        """Answer with ``handler`` one message at a time; ``ordered``, in order per instance
+        subject but concurrently across instances (all in one queue, heartbeats came late and
+        leases expired); the subject names the instance, so nothing is decoded to queue it.
         With ``owner``, a message must come on the subject of the instance it names, and is
         answered only on that instance's own inbox. The manager answers with its own
         permissions, so a reply subject of the sender's choosing (a JetStream API subject, or
@@ -204,15 +204,15 @@ class ManagerService:
         async def callback(msg: NatsMsg, after: asyncio.Task[None] | None = None) -> None:
             if after is not None:
                 await asyncio.wait([after])
-            answer = bool(msg.reply) and (
-                names.is_own_inbox(names.subject_instance(msg.subject), msg.reply)
-                if owner is not None else msg.reply.startswith(names.INBOX + "."))
+            sender = names.subject_instance(msg.subject) if owner is not None else ""
+            answer = bool(msg.reply) and (names.is_own_inbox(sender, msg.reply) if sender
+                                          else msg.reply.startswith(names.INBOX + "."))
             try:
                 if msg.reply and not answer:
                     raise ProtocolError(kind.__name__, f"reply subject {msg.reply[:80]!r} is "
                                         "not the sender's inbox")
                 request = decode(msg.data, kind)
-                if owner is not None and owner(request) != names.subject_instance(msg.subject):
+                if owner is not None and owner(request) != sender:
                     raise ProtocolError(kind.__name__, "instance id differs from its subject's")
             except ProtocolError as exc:
                 self.metrics.malformed.labels(subject).inc()
@@ -234,14 +234,11 @@ class ManagerService:
                     await msg.respond(encode(reply))
 
         async def spawn(msg: NatsMsg) -> None:
-            try:
-                tag = key(decode(msg.data, kind)) if key else ""
-            except ProtocolError:
-                tag = ""  # the callback reports it
+            tag = names.subject_instance(msg.subject)
             task = asyncio.create_task(callback(msg, self._tails.get(tag)))
             self._tails[tag] = task  # the newest per key; each task holds the one before it
             task.add_done_callback(lambda t: self._tails.get(tag) is t and self._tails.pop(tag))
 
         # One queue group: of several manager replicas, each request reaches exactly one.
         await self.nc.subscribe(subject, queue=SERVE_QUEUE,
-                                cb=callback if key is None else spawn)
+                                cb=spawn if ordered else callback)

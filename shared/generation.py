@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from shared.sampling import pick, uniform
+from shared.sampling import uniform
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +54,12 @@ def sample_token(logits: torch.Tensor, temperature: float, key: DrawKey, positio
     if temperature == 0:
         return int(torch.argmax(row).item())  # first maximum on ties, like every argmax here
     probs = torch.softmax(row / temperature, dim=-1)
-    cumulative: list[float] = torch.cumsum(probs, dim=-1).tolist()
+    cumulative = torch.cumsum(probs, dim=-1)
     u = uniform(key.seed, key.step, key.prompt_index, key.sample_index, position)
-    return pick(cumulative, u)
+    # shared.sampling.pick's rule (the first cumulative probability above u * total; the last
+    # index if none is) searched in C: a vocabulary's list of floats is not built per token.
+    found = int(torch.searchsorted(cumulative, u * cumulative[-1], right=True))
+    return min(found, cumulative.numel() - 1)
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 EMULATION. Contract: every figure of the hardware that an emulated cost is computed from lives
 here and nowhere else, each with its source beside it: the rollout emulator's serving costs
 (``rollout_svc.engines.emu_models``) and the trainer's compute model
-(``trainer_svc.learn.policies.emu``) both import it, so neither service imports the other and
+(``trainer_svc.learn.compute_model``) both import it, so neither service imports the other and
 the two sides can never model different GPUs. What software reaches on this hardware (MFU, kernel
 efficiency, scheduler overhead) depends on the workload, not the GPU, and stays with the cost
 model that applies it. Change these to emulate other hardware; real engines never read them.
@@ -32,7 +32,7 @@ PCIE_LOAD_BYTES_S = 25e9  # the load half of the above, alone (a pull modelled o
 DEVICE_SWAP_BYTES_S = 32e9
 
 # --- Costs around the GPUs: the trainer's publish, spot start-up, the weight service's egress.
-# Both the emulation (trainer_svc.learn.policies.emu, rollout_svc.engines.emu) and the simulator
+# Both the emulation (trainer_svc.learn.compute_model, rollout_svc.engines.emu) and the simulator
 # (sim) charge these, so the two cannot disagree on them.
 #
 # Publish of a new version = write the bf16 checkpoint, hash it (the weight service commits

@@ -44,12 +44,13 @@ class Access:
 Rule = Callable[[str, str], Access]  # (method, path) -> what the route needs
 
 
-def refuse_open_bind(bind_host: str, token: object | None, setting: str) -> None:
+def refuse_open_bind(service: str, bind_host: str, token: object | None, setting: str) -> None:
     """A service bound beyond loopback with no token for ``setting`` would take anyone's
-    requests: a :class:`ConfigError` naming the setting, before it listens."""
+    requests: it exits before it listens, naming the setting (no traceback)."""
     if token is None and bind_host not in LOOPBACK:
-        raise ConfigError(setting, f"unset, but the service would listen on {bind_host}, "
-                          "beyond this machine: set it, or use a loopback URL")
+        problem = ConfigError(setting, f"unset, but the {service} would listen on {bind_host}, "
+                              "beyond this machine: set it, or use a loopback URL")
+        raise SystemExit(f"{service}: {problem}")
 
 
 def info_open(expose: str, bind_host: str) -> bool:

@@ -270,7 +270,7 @@ class Keys:
 
     @staticmethod
     def chunk_key() -> str:
-        """The manager's secret for per-lease chunk MAC keys, made once (manager_svc.macs)."""
+        """The manager's secret for per-lease chunk MAC keys, made once (manager_svc.chunk_auth)."""
         return f"{CONTROL}:chunk-key"
 
     @staticmethod

@@ -1,7 +1,7 @@
 """What a simulation runs: the workload, the cluster and its costs, the policy, the prices.
 
 SIMULATION. Every GPU cost comes from the same presets the emulation uses
-(:mod:`rollout_svc.engines.emu_models` for serving, :mod:`trainer_svc.learn.policies.emu` for
+(:mod:`rollout_svc.engines.emu_models` for serving, :mod:`trainer_svc.learn.compute_model` for
 training, :mod:`shared.hardware` for publish, pulls and start-up), so a simulated and an
 emulated run of one configuration charge the same seconds for the same work.
 """

@@ -3,7 +3,7 @@
 Contract: :func:`get_service` yields the :class:`~manager_svc.service.ManagerService` that
 :func:`manager_svc.app.create_app` keeps in ``app.state.service``; a route declares it as a
 parameter of type :data:`Service`, which adds nothing to the OpenAPI document.
-:func:`run_or_404` is the one place an unknown run id becomes a 404.
+:func:`no_run` is the one 404 of an unknown run id; :func:`run_or_404` reads a run with it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ async def get_service(request: Request) -> ManagerService:
 Service = Annotated[ManagerService, Depends(get_service)]
 
 
+def no_run(run_id: str) -> HTTPException:
+    return HTTPException(404, f"no run {run_id!r}")
+
+
 async def run_or_404(service: ManagerService, run_id: str) -> dict[str, Any]:
     run = await service.runs.get(run_id)
     if run is None:
-        raise HTTPException(404, f"no run {run_id!r}")
+        raise no_run(run_id)
     return run

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 
-from manager_svc.routes.dependencies import Service, run_or_404
+from manager_svc.routes.dependencies import Service, no_run, run_or_404
 from manager_svc.runs import QueueFull, RunConflict
 from shared.errors import ProtocolError
 from shared.protocol import decode
@@ -101,7 +101,7 @@ async def get_run(run_id: str, service: Service) -> dict[str, Any]:
 async def cancel_run(run_id: str, service: Service) -> dict[str, Any]:
     run = await service.runs.cancel(run_id)
     if run is None:
-        raise HTTPException(404, f"no run {run_id!r}")
+        raise no_run(run_id)
     log.info("run %s is %s at step %d", run_id, run["state"], run["step"])
     return run
 
@@ -115,7 +115,7 @@ async def resume_run(run_id: str, service: Service) -> dict[str, Any]:
     except RunConflict as exc:
         raise HTTPException(409, str(exc)) from exc
     if run is None:
-        raise HTTPException(404, f"no run {run_id!r}")
+        raise no_run(run_id)
     log.info("run %s resumed at step %d", run_id, run["step"])
     service.soft.wake.set()
     return run
@@ -128,5 +128,5 @@ async def run_checkpoints(run_id: str, service: Service) -> list[dict[str, Any]]
     step and ``saved_at``. ``rlboost export`` pulls one from the weight service."""
     found = await service.runs.checkpoints(run_id)
     if found is None:
-        raise HTTPException(404, f"no run {run_id!r}")
+        raise no_run(run_id)
     return found

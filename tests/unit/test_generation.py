@@ -94,6 +94,26 @@ def test_sample_token_is_the_keyed_inverse_cdf() -> None:
     assert draws == {0, 1, 2, 3}, "positions are independent draws over the whole support"
 
 
+def test_sample_token_draws_what_pick_draws_over_the_whole_vocabulary() -> None:
+    """The C search keeps shared.sampling.pick's rule exactly: vocabularies from 2 to 150k,
+    peaked rows whose tail underflows to 0 (runs of equal cumulative values), and temperatures
+    around 1; every draw equals pick over the same float64 cumulative list."""
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for vocab, scale in ((2, 1.0), (14, 3.0), (1000, 40.0), (151_936, 8.0)):
+        for r in range(6):
+            logits = torch.randn(vocab, generator=gen) * scale
+            for temperature in (0.6, 1.0, 1.3):
+                key = DrawKey(r, vocab, 3, 1)
+                probs = torch.softmax(logits.double() / temperature, dim=-1)
+                cumulative = torch.cumsum(probs, dim=-1).tolist()
+                for pos in range(4):
+                    expected = pick(cumulative, uniform(r, vocab, 3, 1, pos))
+                    assert sample_token(logits, temperature, key, pos) == expected
+                    checked += 1
+    assert checked == 4 * 6 * 3 * 4
+
+
 def test_generate_refuses_bad_arguments(model_dir: Path) -> None:
     model = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     key = DrawKey(0, 0, 0, 0)

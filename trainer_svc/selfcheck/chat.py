@@ -44,6 +44,7 @@ from trainer_svc.inputs.scorer import RewardScorer
 from trainer_svc.learn.checkpoint import load_policy
 from trainer_svc.learn.schedule import learning_rate_at
 from trainer_svc.selfcheck import grpo
+from trainer_svc.workload import eval_key
 
 DEFAULT_STEPS = 40
 DEFAULT_PROMPTS_PER_STEP = 16
@@ -51,9 +52,6 @@ DEFAULT_SAMPLES_PER_PROMPT = 8
 DEFAULT_MAX_NEW_TOKENS = 16
 DEFAULT_LEARNING_RATE = 2e-4
 DEFAULT_EVAL_EVERY = 10
-# Eval draws at a step no training sample draws at (theirs count from 0), the same each time,
-# so two evals differ by the policy only.
-EVAL_STEP = -1
 
 
 @dataclass(slots=True, kw_only=True)
@@ -121,7 +119,7 @@ class ChatRL:
 
     async def evaluate(self, data: PromptDataset, seed: int) -> float:
         items = [(e.prompt, e.answer) for e in data.examples()]
-        keys = [DrawKey(seed, EVAL_STEP, i, 0) for i in range(len(items))]
+        keys = [eval_key(seed, 0, i) for i in range(len(items))]  # as a run's eval draws
         _, _, rewards, _ = await self._rollout(items, keys)
         return statistics.fmean(rewards)
 
