@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,12 @@ def odd(prompt, response, answer):
 def dies(prompt, response, answer):
     if response == "die":
         os._exit(3)
+    return 1.0
+
+def environ(prompt, response, answer):
+    import json
+    with open(prompt, "w") as f:  # the prompt names where to write what the worker sees
+        json.dump(dict(os.environ), f)
     return 1.0
 
 def echo_prompt(prompt, response, answer):
@@ -149,3 +157,33 @@ async def test_unresolvable_functions_fail_at_start(reward_dir: Path, name: str,
     assert err.value.spec == name
     with pytest.raises(RewardNameError, match="unknown reward"):
         RewardScorer("nonsense")
+
+
+SECRETS = {"RLBOOST_WEIGHTS_TOKEN": "w-secret", "RLBOOST_API_TOKEN": "api-secret",
+           "NATS_TRAINER_PASSWORD": "nats-secret", "RLBOOST_NATS_URL": "nats://t:pw@h:4222",
+           "RLBOOST_REDIS_URL": "redis://:pw@h:6379/0", "HF_TOKEN": "hf-secret",
+           "AWS_SECRET_ACCESS_KEY": "aws-secret"}
+
+
+async def test_workers_get_a_scrubbed_environment(
+        reward_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reward reads os.environ in its worker: none of the trainer's secrets are there, what
+    it needs to run is, and a name the operator passes (RLBOOST_REWARD_ENV) is."""
+    for name, value in {**SECRETS, "OMP_NUM_THREADS": "1", "LC_ALL": "C.UTF-8",
+                        "JUDGE_API_KEY": "asked-for"}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "env.json"
+    async with _scorer("environ", reward_dir, workers=1,
+                       pass_env=["JUDGE_API_KEY"]) as s:
+        assert await s.score_many([(str(out), "r", None)]) == ([1.0], 0)
+    seen = json.loads(out.read_text())
+    assert not SECRETS.keys() & seen.keys(), seen.keys()
+    assert not any(v in str(seen) for v in SECRETS.values())
+    assert {k: seen.get(k) for k in ("OMP_NUM_THREADS", "LC_ALL", "JUDGE_API_KEY")} == {
+        "OMP_NUM_THREADS": "1", "LC_ALL": "C.UTF-8", "JUDGE_API_KEY": "asked-for"}
+    assert seen["PATH"] == os.environ["PATH"]
+    # With no names passed, the name asked for above stays out too.
+    async with _scorer("environ", reward_dir, workers=1) as s:
+        assert await s.score_many([(str(out), "r", None)]) == ([1.0], 0)
+    seen = json.loads(out.read_text())
+    assert not SECRETS.keys() & seen.keys() and "JUDGE_API_KEY" not in seen

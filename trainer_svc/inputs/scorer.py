@@ -2,11 +2,15 @@
 
 Contract:
 
-- ``RewardScorer(spec, reward_path=..., timeout_s=..., workers=...)`` runs the reward named
-  by ``spec`` (see :mod:`trainer_svc.inputs.rewards`) in ``workers`` child processes
+- ``RewardScorer(spec, reward_path=..., timeout_s=..., workers=..., pass_env=...)`` runs the reward
+  named by ``spec`` (see :mod:`trainer_svc.inputs.rewards`) in ``workers`` child processes
   (:mod:`trainer_svc.inputs.reward_worker`). ``reward_path`` and ``timeout_s`` are passed in by the
   caller (the trainer reads ``RLBOOST_REWARD_PATH`` and ``RLBOOST_REWARD_TIMEOUT_S`` into its
-  config); this module reads no environment.
+  config); this module reads no settings.
+- A worker's environment is :func:`worker_env` of the trainer's: only the variables on
+  :data:`WORKER_ENV` (and its prefixes), and the ``pass_env`` names the caller adds
+  (RLBOOST_REWARD_ENV). The trainer's tokens and passwords (weights write token, NATS
+  password, API token) stay out of reach of the user code a reward runs.
 - ``await start()`` starts every worker and resolves the function in each; a spec that names
   nothing importable raises :class:`~trainer_svc.inputs.rewards.RewardNameError` here, naming the
   function and the cause, before any sample is scored.
@@ -33,7 +37,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -56,6 +60,20 @@ _BOOTSTRAP = (
     "from trainer_svc.inputs.reward_worker import main; main(sys.argv[1:])"
 )
 Item = tuple[str, str, "str | None"]
+# What a reward function may need of the trainer's environment: finding programs and its home,
+# the locale, how Python starts and where it imports from, HF caches in offline mode, and how
+# many threads numeric libraries take. Nothing that names a service or carries a credential.
+WORKER_ENV = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED",
+    "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONWARNINGS", "PYTHONNOUSERSITE", "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "RLBOOST_REWARD_PATH",
+    "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE", "TOKENIZERS_PARALLELISM",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS", "COVERAGE_PROCESS_START",
+})
+WORKER_ENV_PREFIXES = ("LC_",)  # the locale's categories
 
 log = logging.getLogger(__name__)
 _FAILURE_WORDS = {
@@ -64,6 +82,16 @@ _FAILURE_WORDS = {
     "invalid": "returned a value that is not a finite number",
     "crashed": "lost its worker process",
 }
+
+
+def worker_env(parent: Mapping[str, str], extra: Sequence[str] = ()) -> dict[str, str]:
+    """A reward worker's environment from the trainer's ``parent``: the variables named by
+    :data:`WORKER_ENV` (or starting with a :data:`WORKER_ENV_PREFIXES` prefix) and the
+    ``extra`` names the operator asked for (RLBOOST_REWARD_ENV); HF_TOKEN is not among them."""
+    env = {k: v for k, v in parent.items()
+           if k in WORKER_ENV or k.startswith(WORKER_ENV_PREFIXES)}
+    env.update({k: parent[k] for k in extra if k in parent})
+    return env
 
 
 class RewardWorkerError(RuntimeError):
@@ -87,10 +115,12 @@ class RewardErrorCounts:
 class _Worker:
     """One worker process and its channel; used by one thread at a time."""
 
-    def __init__(self, spec: str, reward_path: Sequence[str], start_timeout_s: float) -> None:
+    def __init__(self, spec: str, reward_path: Sequence[str], start_timeout_s: float,
+                 env: Mapping[str, str]) -> None:
         self.spec = spec
         self.reward_path = list(reward_path)
         self.start_timeout_s = start_timeout_s
+        self.env = dict(env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
 
@@ -104,6 +134,7 @@ class _Worker:
                 [sys.executable, "-c", _BOOTSTRAP, _ROOT, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
+                env=self.env,
             )
         finally:
             theirs.close()
@@ -175,7 +206,9 @@ class RewardScorer:
         workers: int = DEFAULT_WORKERS,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         logger: logging.Logger | None = None,
+        pass_env: Sequence[str] = (),
     ) -> None:
+        """``pass_env``: names of variables the workers get beyond :data:`WORKER_ENV`."""
         check_spec(spec)
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -186,9 +219,9 @@ class RewardScorer:
         self.counts = RewardErrorCounts()
         self._log = logger or log
         self._logged: set[str] = set()
-        self._workers = [
-            _Worker(spec, [str(p) for p in reward_path], start_timeout_s) for _ in range(workers)
-        ]
+        env = worker_env(os.environ, pass_env)
+        self._workers = [_Worker(spec, [str(p) for p in reward_path], start_timeout_s, env)
+                         for _ in range(workers)]
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="reward")
         self._idle: asyncio.Queue[_Worker] | None = None
         self._closed = False
