@@ -36,6 +36,7 @@ from pydantic_settings import NoDecode
 from shared.identity import IdentityError, public_key
 from shared.names import INSTANCE_ID_MAX, valid_instance_id
 from shared.settings import Settings, UrlOf, reveal, setting
+from shared.sources import default_dataset_roots
 
 Engine = Literal["torch", "sglang", "emu"]
 ENGINES: tuple[Engine, ...] = ("torch", "sglang", "emu")
@@ -87,6 +88,10 @@ class Common(Settings):
         "downloads, peer registration (rollout instances and their peers)")
     data_dir: Annotated[Path, AfterValidator(Path.resolve)] = setting(
         "RLBOOST_DATA_DIR", Path("./data"), "where a service keeps its files")
+    dataset_roots: str = setting(
+        "RLBOOST_DATASET_ROOTS", "", "colon-separated directories a run spec's dataset.path and "
+        "eval.path must lie under (else 422 at submit, or the run fails); unset = "
+        "RLBOOST_DATA_DIR and the shipped examples/ directory")
     log_level: Annotated[str, AfterValidator(str.upper)] = setting(
         "RLBOOST_LOG_LEVEL", "INFO", "Python logging level")
     torch_threads: Annotated[int | None, AfterValidator(lambda n: n or None)] = setting(
@@ -107,6 +112,12 @@ class Common(Settings):
     expose: Literal["auto", "open", "token"] = setting(
         "RLBOOST_EXPOSE", "auto", "/metrics, /docs and /openapi.json of the manager and the "
         "weight service: open, behind the bearer token, or auto = open only on a loopback bind")
+
+    @property
+    def dataset_dirs(self) -> list[Path]:
+        """The directories a run's dataset and eval files may be read from."""
+        named = [Path(d) for d in self.dataset_roots.split(":") if d]
+        return named or default_dataset_roots(self.data_dir)
 
 
 class ManagerConfig(Settings):
@@ -259,7 +270,11 @@ class TrainerConfig(Settings):
         "barrier", ge=0.01)
     reward_path: str = setting(
         "RLBOOST_REWARD_PATH", "", "colon-separated directories python:<module>:<function> "
-        "rewards are imported from (before installed packages)")
+        "rewards are imported from (no other module but the built-in trainer_svc.inputs.rewards)")
+    reward_env: str = setting(
+        "RLBOOST_REWARD_ENV", "", "comma-separated names of further environment variables reward "
+        "workers get (a judge's API key); they get no other of the trainer's but PATH, HOME, "
+        "locale, Python, HF offline and thread settings")
     reward_timeout_s: float = setting(
         "RLBOOST_REWARD_TIMEOUT_S", 10.0, "a reward call running longer scores 0 and counts as "
         "a reward error", gt=0.0)
@@ -282,6 +297,10 @@ class TrainerConfig(Settings):
     @property
     def reward_dirs(self) -> list[str]:
         return [d for d in self.reward_path.split(":") if d]
+
+    @property
+    def reward_env_names(self) -> list[str]:
+        return [n.strip() for n in self.reward_env.split(",") if n.strip()]
 
     @field_validator("trainer_id")
     @classmethod

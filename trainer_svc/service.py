@@ -212,7 +212,9 @@ class TrainerService:
         # Data and reward first: a spec naming a missing file or function fails in seconds,
         # not after a model build.
         workload = await open_workload(spec, common.data_dir, self.cfg.reward_dirs,
-                                       self.cfg.reward_timeout_s)
+                                       self.cfg.reward_timeout_s,
+                                       dataset_roots=common.dataset_dirs,
+                                       reward_env=self.cfg.reward_env_names)
         try:
             try:
                 policy = await asyncio.to_thread(make_policy, spec, common.data_dir,

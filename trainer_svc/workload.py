@@ -28,6 +28,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -210,23 +211,25 @@ def eval_key(seed: int, step: int, index: int) -> DrawKey:
 
 
 async def open_workload(spec: RunSpec, data_dir: Path, reward_path: Sequence[str],
-                        reward_timeout_s: float) -> Workload:
-    """The run's workload; bad data or a bad reward is a RunSpecError (the run fails)."""
+                        reward_timeout_s: float, *, dataset_roots: Sequence[Path],
+                        reward_env: Sequence[str] = ()) -> Workload:
+    """The run's workload; bad data or a bad reward is a RunSpecError (the run fails).
+    ``dataset_roots``: where data files may be read from; ``reward_env``: names of variables
+    the reward workers get beyond the scorer's allowlist (RLBOOST_REWARD_ENV)."""
     if spec.dataset is None:
         return TaskWorkload(spec)
     name = spec.reward_name
-    needs_answer = name in BUILTIN_REWARDS
-    cache = data_dir / "datasets"
+    load = functools.partial(load_prompts, require_answer=name in BUILTIN_REWARDS,
+                             cache_dir=data_dir / "datasets", roots=dataset_roots)
     try:
-        train = await asyncio.to_thread(load_prompts, _dataset(spec.dataset),
-                                        require_answer=needs_answer, cache_dir=cache)
+        train = await asyncio.to_thread(load, _dataset(spec.dataset))
         held_out = None
         if spec.eval is not None:
-            held_out = await asyncio.to_thread(load_prompts, _dataset(spec.eval),
-                                               require_answer=needs_answer, cache_dir=cache)
+            held_out = await asyncio.to_thread(load, _dataset(spec.eval))
     except DatasetError as exc:
         raise RunSpecError(str(exc)) from exc
-    scorer = RewardScorer(name, reward_path=reward_path, timeout_s=reward_timeout_s)
+    scorer = RewardScorer(name, reward_path=reward_path, timeout_s=reward_timeout_s,
+                          pass_env=reward_env)
     try:
         await scorer.start()
     except (RewardNameError, RewardWorkerError) as exc:

@@ -2,9 +2,10 @@
 
 Contract: ``POST /v1/runs`` takes a :class:`~shared.spec.RunSpec`, decoded and validated
 by the protocol's own codec (:func:`run_spec_body`), errors shaped like FastAPI's 422s; a step
-larger than RLBOOST_MAX_STEP_RESPONSES is a 422 and a full queue a 429. An unknown run is a 404,
-a resume of a run in the wrong state a 409. :data:`SPEC_SCHEMAS` are the run spec's JSON schemas
-for the app's OpenAPI document.
+larger than RLBOOST_MAX_STEP_RESPONSES is a 422, as is an absolute dataset or eval path outside
+RLBOOST_DATASET_ROOTS or a python: reward from the standard library; a full queue is a 429. An
+unknown run is a 404, a resume of a run in the wrong state a 409. :data:`SPEC_SCHEMAS` are the
+run spec's JSON schemas for the app's OpenAPI document.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import email.message
 import logging
 import re
+from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
@@ -21,6 +23,7 @@ from manager_svc.routes.dependencies import Service, no_run, run_or_404
 from manager_svc.runs import QueueFull, RunConflict
 from shared.errors import ProtocolError
 from shared.protocol import decode
+from shared.sources import outside_roots, roots_text, stdlib_reward_module
 from shared.spec import RunSpec
 
 log = logging.getLogger("manager.api")
@@ -66,12 +69,29 @@ async def create_run(spec: Annotated[RunSpec, Depends(run_spec_body)],
     if responses > cap:  # a step's responses all live in Redis until it completes
         raise HTTPException(422, f"prompts_per_step x samples_per_prompt = {responses} "
                             f"responses per step, over RLBOOST_MAX_STEP_RESPONSES ({cap})")
+    refused = _refused_source(spec, service.cfg.common.dataset_dirs)
+    if refused:
+        raise HTTPException(422, refused)
     try:
         run = await service.runs.create(spec)
     except QueueFull as exc:
         raise HTTPException(429, str(exc)) from exc
     service.soft.wake.set()
     return run
+
+
+def _refused_source(spec: RunSpec, roots: list[Path]) -> str | None:
+    """Why the spec names data or code the trainer must not read or run, where the manager can
+    tell without the trainer's file system (shared.sources); None if it cannot tell."""
+    for field, part in (("dataset", spec.dataset), ("eval", spec.eval)):
+        if part is not None and outside_roots(part.path, roots, resolve=False):
+            return (f"{field}.path {part.path!r} is outside the dataset roots "
+                    f"({roots_text(roots)}; RLBOOST_DATASET_ROOTS)")
+    module = stdlib_reward_module(spec.reward)
+    if module is not None:
+        return (f"reward {spec.reward!r}: {module!r} is a standard-library module; python: "
+                "rewards are imported from the trainer's RLBOOST_REWARD_PATH only")
+    return None
 
 
 @router.get("/v1/runs")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 import time
@@ -113,6 +114,32 @@ def test_bad_data_fields_are_422_naming_them(manager: httpx.Client, body: dict[s
     resp = manager.post("/v1/runs", json=body)
     assert resp.status_code == 422, resp.text
     assert names in str(resp.json()["detail"])
+
+
+@pytest.mark.parametrize("body, names", [
+    ({"dataset": {"path": "/etc/passwd"}}, "dataset.path '/etc/passwd' is outside the dataset "
+     "roots"),
+    ({"eval": {"path": "/etc/shadow"}}, "eval.path '/etc/shadow' is outside"),
+    ({"dataset": {"path": "@DATA@/../../x.jsonl"}}, "is outside the dataset roots"),
+    ({"reward": "python:os:system"}, "'os' is a standard-library module"),
+    ({"reward": "python:subprocess.run:x"}, "standard-library"),
+])
+def test_data_and_code_the_trainer_must_not_touch_are_422(
+        manager: httpx.Client, tmp_path: Path, body: dict[str, object], names: str) -> None:
+    data = tmp_path / "data"
+    base: dict[str, object] = {"model": "tiny-chat", "dataset": {"path": str(data / "d.jsonl")}}
+    spec = json.loads(json.dumps({**base, **body}).replace("@DATA@", str(data)))
+    resp = manager.post("/v1/runs", json=spec)
+    assert resp.status_code == 422, resp.text
+    assert names in str(resp.json()["detail"])
+    # Under the data dir (a default root), a relative path (the trainer's to judge) and a
+    # reward-path module are accepted.
+    for fine in ({"dataset": {"path": str(data / "sub" / ".." / "d.jsonl")}},
+                 {"dataset": {"path": "examples/data/word-problems-train.jsonl"}},
+                 {"reward": "python:my_rewards:score"}):
+        ok = manager.post("/v1/runs", json={**base, **fine})
+        assert ok.status_code == 201, ok.text
+        manager.post(f"/v1/runs/{ok.json()['id']}/cancel")
 
 
 def test_the_openapi_document_describes_the_run_spec(manager: httpx.Client) -> None:

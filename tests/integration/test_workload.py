@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from shared.protocol import decode
+from shared.sources import default_dataset_roots
 from shared.spec import RunSpec
 from trainer_svc.embedded import task
 from trainer_svc.embedded import tiny_chat as tc
@@ -42,7 +43,9 @@ def spec(**fields: Any) -> RunSpec:
 
 
 async def open_(run: RunSpec, tmp_path: Path, reward_path: list[str] | None = None) -> Any:
-    return await open_workload(run, tmp_path, reward_path or [], 5.0)
+    # The test's own directory stands for RLBOOST_DATA_DIR, as the default roots have it.
+    return await open_workload(run, tmp_path, reward_path or [], 5.0,
+                               dataset_roots=default_dataset_roots(tmp_path))
 
 
 async def test_prompts_are_drawn_by_seed_and_templated(model_dir: Path, tmp_path: Path) -> None:
@@ -102,6 +105,27 @@ async def test_a_missing_file_names_its_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(RunSpecError, match=rf"{missing}.*no such file"):
         await open_(spec(dataset={"path": str(missing)}), tmp_path)
+
+
+async def test_data_outside_the_dataset_roots_is_refused_unread(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    outside = write_jsonl(elsewhere / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}])
+    (root / "link.jsonl").symlink_to(outside)  # inside by its name, outside by its target
+    for path in (str(outside), str(root / "link.jsonl"), str(root / ".." / "elsewhere" /
+                                                            "d.jsonl"), "/etc/passwd"):
+        for run in (spec(dataset={"path": path}),
+                    spec(eval={"path": path, "every": 2})):
+            with pytest.raises(RunSpecError, match=r"outside the dataset roots"):
+                await open_(run, root)
+    # The same file is read once a root holds it.
+    work = await open_workload(spec(dataset={"path": str(outside)}), root, [], 5.0,
+                               dataset_roots=[elsewhere])
+    try:
+        assert [e.prompt for e in work.train.examples()] == ["1+1?"]
+    finally:
+        await work.close()
 
 
 async def test_a_missing_key_names_the_key_and_the_columns(tmp_path: Path) -> None:

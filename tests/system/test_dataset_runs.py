@@ -58,8 +58,10 @@ def reward_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def cluster(brokers: Stack, tmp_path: Path, reward_dir: Path) -> Iterator[Cluster]:
+    # The test's bad files lie in tmp_path: a dataset root beside the shipped examples.
     c = start_cluster(tmp_path, brokers, spot=1, reserved=1,
-                      env={"RLBOOST_REWARD_PATH": str(reward_dir)})
+                      env={"RLBOOST_REWARD_PATH": str(reward_dir),
+                           "RLBOOST_DATASET_ROOTS": f"{tmp_path}:{ROOT / 'examples'}"})
     try:
         yield c
     finally:
@@ -145,7 +147,12 @@ def test_bad_data_and_reward_specs_fail_fast_and_the_queue_goes_on(
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "questions.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
     missing = str(tmp_path / "nope.jsonl")
+    (tmp_path / "link.jsonl").symlink_to(ROOT / "pyproject.toml")  # a root's name, not its file
     bad = [
+        ({**BASE, "dataset": {"path": str(tmp_path / "link.jsonl")}},
+         ["link.jsonl", "outside the dataset roots"]),
+        ({**BASE, "reward": "python:math_verify:parse"},  # installed, not on the reward path
+         ["python:math_verify:parse", "No module named 'math_verify' in the reward path"]),
         ({**BASE, "dataset": {"path": missing}}, [missing, "no such file"]),
         ({**BASE, "dataset": {"path": str(tmp_path / "questions.jsonl")}},
          ["questions.jsonl", "'prompt'", "question"]),
@@ -157,6 +164,8 @@ def test_bad_data_and_reward_specs_fail_fast_and_the_queue_goes_on(
     with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=10) as client:
         refused = client.post("/v1/runs", json={**BASE, "reward": "maths"})
         assert refused.status_code == 422 and "reward" in str(refused.json()["detail"])
+        refused = client.post("/v1/runs", json={**BASE, "dataset": {"path": "/etc/passwd"}})
+        assert refused.status_code == 422 and "outside the dataset roots" in refused.text
         # A run first, so the clock below starts with a trainer that is up (importing torch
         # alone can take a minute on a loaded machine).
         first = client.post("/v1/runs", json=TINY_RUN).json()["id"]

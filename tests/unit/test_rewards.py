@@ -72,7 +72,7 @@ def test_spec_syntax() -> None:
         assert err.value.spec == bad
 
 
-def test_resolve_from_reward_path_and_installed_packages(
+def test_resolve_from_the_reward_path_and_the_builtin_module(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sys, "path", list(sys.path))  # restored after the test
@@ -99,3 +99,28 @@ def test_resolve_names_the_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for spec, cause in cases:
         with pytest.raises(RewardNameError, match=cause):
             resolve_reward(spec, [str(tmp_path)])
+
+
+@pytest.mark.parametrize(("spec", "cause"), [
+    ("python:os:system", "No module named 'os' in the reward path"),
+    ("python:subprocess:run", "No module named 'subprocess' in the reward path"),
+    ("python:math_verify:parse", "No module named 'math_verify' in the reward path"),
+    ("python:trainer_svc.saved:SavedRun", "No module named 'trainer_svc' in the reward path"),
+])
+def test_modules_outside_the_reward_path_are_refused_unimported(
+        spec: str, cause: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "math_verify", raising=False)
+    with pytest.raises(RewardNameError, match=cause):
+        resolve_reward(spec, [str(tmp_path)])
+    assert "math_verify" not in sys.modules  # refused before its import-time code ran
+
+
+def test_a_reward_path_file_shadowed_by_a_loaded_module_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    # json is imported already: importing "json" would give the standard library's, whose
+    # dumps the spec would then call, though a json.py is on the reward path.
+    (tmp_path / "json.py").write_text("def dumps(p, r, a):\n    return 1.0\n")
+    with pytest.raises(RewardNameError, match=r"loads from .*json.*not from the reward path"):
+        resolve_reward("python:json:dumps", [str(tmp_path)])

@@ -10,6 +10,9 @@ Contract:
 - Prompts must be non-empty strings. Answers are optional (``answer_key`` None, or a
   missing column when ``require_answer`` is false); present answers become strings
   (``18`` -> ``"18"``), so every reward sees ``str | None``.
+- With ``roots`` (the trainer always passes RLBOOST_DATASET_ROOTS), a path that does not lie
+  under one of them, symlinks followed, is refused before anything is read
+  (:func:`shared.sources.outside_roots`); so is a hub name, which is no local path.
 - Every failure is a :class:`DatasetError` naming the path, the key where one is involved,
   and the cause: a missing file, an unsupported format, an unreadable file, an unknown split,
   a missing column (with the columns there are), an empty dataset, a bad row (its index).
@@ -28,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from shared.sources import outside_roots, roots_text
 
 # File suffix -> the ``datasets`` packaged builder that reads it.
 FORMATS: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet",
@@ -179,13 +184,18 @@ def load_prompts(
     require_answer: bool = False,
     cache_dir: Path | None = None,
     allow_hub: bool = False,
+    roots: Sequence[Path] | None = None,
 ) -> PromptDataset:
     """Load ``spec``'s split; see the module docstring for formats and errors.
 
     ``require_answer``: the reward needs answers (``math``, ``exact``), so a missing
     ``answer_key`` column or a row without an answer is an error rather than None.
     ``cache_dir``: where ``datasets`` keeps its Arrow copies (default: its own ~/.cache).
+    ``roots``: the directories the file must lie under (None: anywhere, for tests and tools).
     """
+    if roots is not None and outside_roots(spec.path, roots, resolve=True):
+        raise DatasetError(spec.path, "outside the dataset roots "
+                           f"({roots_text(roots)}; RLBOOST_DATASET_ROOTS)")
     table = _read(spec, cache_dir, allow_hub)
     if len(table) == 0:
         raise DatasetError(spec.path, f"the dataset is empty (split {spec.split!r})")

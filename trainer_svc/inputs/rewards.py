@@ -15,10 +15,13 @@ Contract:
 - ``"exact"``: 1.0 when ``normalize(response) == normalize(answer)``, else 0.0, where both
   sides are first cut after their last ``####`` when they have one, then stripped, lower-cased,
   whitespace runs collapsed to one space and one trailing period dropped.
-- ``"python:<module>:<function>"``: ``<module>`` is imported with the directories of the
-  reward path searched first, then installed packages; ``<function>`` must be a callable
-  attribute of it. :func:`resolve_reward` raises :class:`RewardNameError` naming the spec
-  and the cause (unknown name, import failure with its message, missing attribute).
+- ``"python:<module>:<function>"``: ``<module>`` must be found in a directory of the reward
+  path (RLBOOST_REWARD_PATH) and load from there, or be one of :data:`BUILTIN_MODULES`; an
+  installed package or a standard-library module (``os:system``) is refused before it is
+  imported, and so is a reward-path file that an already imported module of the same name
+  shadows. ``<function>`` must be a callable attribute of it. :func:`resolve_reward` raises
+  :class:`RewardNameError` naming the spec and the cause (unknown name, a module outside the
+  reward path, import failure with its message, missing attribute).
 
 Resolution imports user code and may touch ``sys.path``: it is meant to run in a reward
 worker process (:mod:`trainer_svc.inputs.reward_worker`), never in the trainer's own.
@@ -29,15 +32,19 @@ the workers call rewards on theirs, so those timeouts stay on.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 RewardFn = Callable[[str, str, "str | None"], "float | Awaitable[float]"]
 
 BUILTIN_REWARDS = ("math", "exact")
 PYTHON_PREFIX = "python:"
+# Modules of the package a python: reward may name without being on the reward path.
+BUILTIN_MODULES = ("trainer_svc.inputs.rewards",)
 
 
 class RewardNameError(ValueError):
@@ -111,18 +118,25 @@ def resolve_reward(spec: str, reward_path: Sequence[str] = ()) -> RewardFn:
     if spec == "exact":
         return exact_reward
     module_name, attr = spec[len(PYTHON_PREFIX):].split(":")
+    dirs = [d for d in reward_path if d]
+    where = ":".join(dirs) or "(empty)"
+    if module_name not in BUILTIN_MODULES:
+        _check_on_reward_path(spec, module_name, dirs)
     # Prepended in order, so the first directory listed wins, as on PATH.
-    for directory in reversed([d for d in reward_path if d]):
+    for directory in reversed(dirs):
         if directory not in sys.path:
             sys.path.insert(0, directory)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure of user code is the user's to see
-        where = ":".join(reward_path) or "(empty)"
         raise RewardNameError(
             spec, f"cannot import module {module_name!r} (reward path {where}): "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    if module_name not in BUILTIN_MODULES and not _loaded_from(module, dirs):
+        raise RewardNameError(
+            spec, f"module {module_name!r} loads from {getattr(module, '__file__', None)!r}, "
+            f"not from the reward path {where} (a module of that name was imported already)")
     fn: Any = getattr(module, attr, None)
     if fn is None:
         raise RewardNameError(spec, f"module {module_name!r} has no attribute {attr!r}")
@@ -130,3 +144,22 @@ def resolve_reward(spec: str, reward_path: Sequence[str] = ()) -> RewardFn:
         raise RewardNameError(spec, f"{module_name}.{attr} is not callable")
     result: RewardFn = fn
     return result
+
+
+def _check_on_reward_path(spec: str, module_name: str, dirs: Sequence[str]) -> None:
+    """Refuse, before importing anything, a module whose top-level package is not in a
+    reward-path directory: an installed package's import-time code is not the user's to run."""
+    top = module_name.split(".", 1)[0]
+    if importlib.machinery.PathFinder.find_spec(top, list(dirs)) is None:
+        raise RewardNameError(
+            spec, f"cannot import module {module_name!r}: No module named {top!r} in the reward "
+            f"path {':'.join(dirs) or '(empty)'} (RLBOOST_REWARD_PATH; python: rewards come from "
+            f"there, or from {', '.join(BUILTIN_MODULES)})")
+
+
+def _loaded_from(module: Any, dirs: Sequence[str]) -> bool:
+    origin = getattr(module, "__file__", None)
+    if not origin:
+        return False
+    path = Path(origin).resolve()
+    return any(path.is_relative_to(Path(d).resolve()) for d in dirs)
