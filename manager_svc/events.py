@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from manager_svc.archive import Archive
+from manager_svc.scripts import register
 from shared.names import Keys
 
 MAX_EVENTS = 120_000
@@ -40,6 +41,7 @@ class InstanceEvents:
     def __init__(self, redis: aioredis.Redis, archive: Archive) -> None:
         self.redis = redis
         self.archive = archive  # an ended run's events, once its stream expired
+        self._expire_late = register(redis, "expire_with_run.lua")
 
     async def left(self, run_id: str, instance_id: str, kind: str | None, reason: str,
                    session: str = "") -> None:
@@ -60,6 +62,11 @@ class InstanceEvents:
         else:
             pipe.hdel(Keys.run_instances(run_id), fields["instance"])
         await pipe.execute()
+        # An instance may leave or die just after its run was retired: the stream (and the
+        # hash) then expire with the run. Run after the write, not with it: a retirement
+        # between the two gives them its TTL itself (RunStore.retire).
+        await self._expire_late(keys=[Keys.run(run_id), Keys.events(run_id),
+                                      Keys.run_instances(run_id)])
 
     async def read(self, run_id: str, after: str | None = None,
                    limit: int = PAGE_MAX) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from manager_svc.archive import Archive
+from manager_svc.scripts import register
 from shared.names import Keys
 
 # Step counters that can still move after the step's record is written (a zombie's late chunks).
@@ -25,6 +26,7 @@ class RunHistory:
     def __init__(self, redis: aioredis.Redis, archive: Archive) -> None:
         self.r = redis
         self.archive = archive
+        self._expire_late = register(redis, "expire_with_run.lua")
 
     async def checkpoints(self, run_id: str) -> list[dict[str, Any]] | None:
         """The versions kept for the user, oldest first, each with the step that made it
@@ -85,6 +87,8 @@ class RunHistory:
             pipe.rpush(key, warning[:2000])
             pipe.ltrim(key, 0, WARNINGS_MAX - 1)
             await pipe.execute()
+            # A warning noted as the run ends expires with it (as events do: InstanceEvents).
+            await self._expire_late(keys=[Keys.run(run_id), key])
 
     async def warnings(self, run_id: str) -> list[str]:
         found = list(await self.r.lrange(Keys.run_warnings(run_id), 0, -1))

@@ -267,7 +267,9 @@ class RunStore(RunHistory):
     async def retire(self, run_id: str) -> None:
         """An ended run: archive what Redis still holds of it (its record, step records with
         their final counters, warnings, events), then let every key of it expire after the
-        retention time. Re-run harmlessly after a crash (the startup sweep does)."""
+        retention time. Re-run harmlessly after a crash (the startup sweep does). A write for
+        the run after this (a late chunk, hand-back, event, step) gives each key it creates
+        the record's time left, in the script that writes it (lua/retired.lua)."""
         raw = await self.r.hgetall(Keys.run(run_id))
         run = await self.get(run_id)
         if not raw or run is None:

@@ -7,6 +7,7 @@
 -- Returns per id {epoch, tokens, prompt, version, max}.
 -- include: common.lua
 local inst, ttl, now, held = ARGV[1], ARGV[2], ARGV[3], KEYS[4]
+after_retirement(run_key_of(KEYS[5]))  -- a dispatch pass that read the run before it ended
 local out, migrations = {}, 0
 for i = 4, #ARGV do
   local rid = ARGV[i]
@@ -34,4 +35,6 @@ end
 if migrations > 0 then redis.call('HINCRBY', KEYS[3], 'migrations', migrations) end
 -- Whose held sets the run has: retiring the run expires them with its other keys.
 redis.call('SADD', KEYS[5], inst)
+for _, key in ipairs({KEYS[2], KEYS[3], held, KEYS[5]}) do wrote(key) end
+expire_late()
 return out

@@ -12,6 +12,7 @@
 -- include: common.lua
 local st = redis.call('HMGET', KEYS[1], 'created', 'dynamic', 'closed', 'prompts')
 if st[1] ~= '1' or st[2] ~= '1' then return {-1} end
+after_retirement(run_key_of(KEYS[1]))
 if st[3] == '1' then return {0} end
 local keep, filtered, kept = {}, {}, 0
 for p in string.gmatch(ARGV[2], '%d+') do
@@ -53,4 +54,7 @@ redis.call('HSET', KEYS[1], 'closed', 1, 'remaining', 0, 'total',
            'groups_discarded', tonumber(st[4]) - kept - nfiltered,
            'responses_aborted', aborted, 'dynamic_sampling_capped', ARGV[1])
 told[2] = discarded
+wrote(KEYS[1])
+wrote(KEYS[5])
+expire_late()
 return told

@@ -7,6 +7,7 @@
 -- CPU). Returns "status n,status n,..." per entry, in order.
 -- include: common.lua
 local now = ARGV[1]
+after_retirement(KEYS[1])  -- a late frame of a retired run: what it creates expires with it
 -- Step counters are summed here and written once per script: Redis time per chunk is the
 -- commit's ceiling, and the script is atomic, so nobody can see them half-applied.
 local counts, firsts, lasts = {}, {}, {}
@@ -50,6 +51,7 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
     redis.call('DEL', lease)
     release_owner(req, rid)
     redis.call('SMOVE', leased, step .. ARGV[4], rid)
+    wrote(step .. ARGV[4])
     count(step, 'tokens_regenerated', ntok)
     return why, n
   end
@@ -61,6 +63,7 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
   if ntok > 0 then
     take_legacy_tokens(req, st[8])  -- st[8] is nil for every response written since
     redis.call('APPEND', req .. TOKENS, n == 0 and tokens or (',' .. tokens))
+    wrote(req .. TOKENS)
     n = n + ntok
     redis.call('HSET', req, 'n', n)
     count(step, 'tokens', ntok)
@@ -78,6 +81,7 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
   release_owner(req, rid)
   redis.call('SREM', leased, rid)
   redis.call('SADD', step .. ARGV[3], rid)
+  wrote(step .. ARGV[3])
   local left = redis.call('HINCRBY', step, 'g:' .. st[7], -1)
   local remaining = redis.call('HINCRBY', step, 'remaining', -1)
   if remaining == 0 then return 'step', n end
@@ -96,9 +100,11 @@ for i = 5, #ARGV do
 end
 for step, fields in pairs(counts) do
   for field, by in pairs(fields) do redis.call('HINCRBY', step, field, by) end
+  wrote(step)
 end
 for _, first in pairs(firsts) do redis.call('HSETNX', first[1], first[2], now) end
 -- When each kind last generated: a step's reserved side may stop long before its barrier
 -- (spot instances joined late took the rest), and its rate is measured up to here.
 for _, last in pairs(lasts) do redis.call('HSET', last[1], last[2], now) end
+expire_late()
 return table.concat(out, ',')  -- one string: far cheaper to parse than a reply per chunk

@@ -1,6 +1,7 @@
 -- Helpers shared by the ledger's scripts. Redis scripts cannot include one another: the loader
 -- (manager_svc/scripts.py) puts this text where a script says `-- include: common.lua`.
 -- include: keys.lua
+-- include: retired.lua
 -- A response's tokens are a string key of their own, appended to (names.Keys.tokens).
 local TOKENS = '@TOKENS_SUFFIX@'
 local function take_legacy_tokens(req, legacy)
@@ -8,6 +9,7 @@ local function take_legacy_tokens(req, legacy)
   -- move on its first lease or commit, so an upgraded manager continues it exactly.
   if legacy and legacy ~= '' then
     redis.call('SET', req .. TOKENS, legacy)
+    wrote(req .. TOKENS)
     redis.call('HDEL', req, 'tokens')
   end
 end
@@ -28,4 +30,5 @@ local function write_request(rid, run, step, p, s, version, prompt, max_new)
   redis.call('HSET', key, 'run', run, 'step', step, 'p', p, 's', s, 'version', version,
              'prompt', prompt, 'n', 0, 'epoch', 0, 'owner', '', 'done', '0',
              'finish', '', 'instances', '', 'last', '', 'seen', 0, 'max', max_new)
+  wrote(key)
 end

@@ -3,6 +3,8 @@
 -- exist for anybody (dispatch reads its hash), so a crash before it leaves nothing to undo
 -- and the trainer's retry writes the responses again; after it, a retry changes nothing.
 -- KEYS: step, seeding | ARGV: step fields, seeding fields (JSON lists of names and values)
+-- include: keys.lua
+-- include: retired.lua
 if redis.call('HEXISTS', KEYS[1], 'created') == 1 then return 0 end
 local function hset(key, flat)
   -- In slices: unpack() of a step with thousands of groups would overflow Lua's stack.
@@ -13,4 +15,8 @@ end
 hset(KEYS[1], cjson.decode(ARGV[1]))
 hset(KEYS[2], cjson.decode(ARGV[2]))
 redis.call('HSET', KEYS[1], 'created', '1')
+after_retirement(run_key_of(KEYS[1]))
+wrote(KEYS[1])
+wrote(KEYS[2])
+expire_late()
 return 1

@@ -14,6 +14,7 @@ local added = (#ARGV - 6) / 4 / samples
 if have >= first + added then return have end
 if have ~= first or st[3] == '1' then return -2 end
 if first + added > tonumber(ARGV[3]) then return -3 end
+after_retirement(run_key_of(KEYS[1]))
 for i = 7, #ARGV, 4 do
   write_request(ARGV[i], ARGV[5], ARGV[6], ARGV[i + 1], ARGV[i + 2], st[5],
                 ARGV[i + 3], ARGV[4])
@@ -23,4 +24,7 @@ for p = first, first + added - 1 do redis.call('HSET', KEYS[1], 'g:' .. p, sampl
 redis.call('HINCRBY', KEYS[1], 'total', added * samples)
 redis.call('HINCRBY', KEYS[1], 'remaining', added * samples)
 redis.call('HSET', KEYS[1], 'prompts', first + added)
+wrote(KEYS[1])
+wrote(KEYS[2])
+expire_late()
 return first + added

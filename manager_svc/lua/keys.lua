@@ -12,3 +12,6 @@ local function req_key(rid) return tagged(REQ, rid) end
 local function lease_key(rid) return tagged(LEASE, rid) end
 local function held_key(run, instance) return HELD .. '{' .. run .. '}:' .. instance end
 local function run_key(run) return RUN .. '{' .. run .. '}' end
+local function run_key_of(key)  -- the record of the run whose hash tag a key carries
+  return run_key(string.match(key, '{(.-)}'))
+end

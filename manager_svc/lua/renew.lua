@@ -10,7 +10,11 @@ local function renew_leases(instance, ttl_ms, first, only, lost)
     if string.sub(rid, 1, #only) == only and
         redis.call('GET', lease) == (instance .. ':' .. ARGV[i + 1]) then
       redis.call('PEXPIRE', lease, ttl_ms)
-      redis.call('HSET', req_key(rid), 'seen', ARGV[i + 2])
+      -- Not on a response whose keys expired with its retired run while its lease (its own,
+      -- shorter-lived TTL) still held: that HSET would make a hash with no TTL.
+      if redis.call('EXISTS', req_key(rid)) == 1 then
+        redis.call('HSET', req_key(rid), 'seen', ARGV[i + 2])
+      end
     else
       lost[#lost + 1] = rid
     end

@@ -6,6 +6,7 @@
 -- the owner: an instance may hand back only what it holds.
 -- include: common.lua
 local req = KEYS[1]
+after_retirement(run_key(run_of(ARGV[1])))  -- a late hand-back, after its run was retired
 if redis.call('HGET', req, 'done') == '1' then return 0 end
 local cur = redis.call('HGET', req, 'epoch')
 if ARGV[2] ~= '' and cur ~= ARGV[2] then return 0 end
@@ -29,4 +30,7 @@ if ARGV[3] == 'request' and n > 0 then
 end
 redis.call('HSET', req, 'seen', 0)
 redis.call('HINCRBY', KEYS[5], 'tokens_regenerated', waste)
+wrote(KEYS[3])
+wrote(KEYS[5])
+expire_late()
 return 1

@@ -11,20 +11,13 @@ from pathlib import Path
 import pytest
 
 from manager_svc.accounting import Ledger
-from manager_svc.archive import Archive
 from manager_svc.crash import CrashPoints
 from manager_svc.dispatcher import Dispatcher
-from manager_svc.events import InstanceEvents
-from manager_svc.metrics import ManagerMetrics
 from manager_svc.registry import Registry
-from manager_svc.runs import RunStore
-from manager_svc.soft_state import SoftState
 from rlboost.stack import Stack
-from shared.bus import connect_redis
-from shared.config import ManagerConfig
 from shared.names import Keys, request_id
 from shared.protocol import Assignment, Heartbeat, Held, Release, Target
-from shared.spec import RunSpec
+from tests.support.registry import registry_with_run
 
 LEASE_TTL_S = 0.6
 
@@ -32,22 +25,8 @@ LEASE_TTL_S = 0.6
 @pytest.fixture
 async def parts(brokers: Stack, tmp_path: Path) -> AsyncIterator[tuple[Registry, str]]:
     """A registry on a flushed Redis, with one running run at step 0 of four responses."""
-    redis = await connect_redis(brokers.redis.url)
-    await redis.flushdb()
-    archive = Archive(tmp_path)
-    runs = RunStore(redis, archive)
-    run_id = (await runs.create(RunSpec(model="emu", prompts_per_step=2,
-                                        samples_per_prompt=2)))["id"]
-    assert await runs.active() == run_id
-    ledger = Ledger(redis, lease_ttl_s=LEASE_TTL_S)
-    await ledger.create_step(run_id, 0, 0, [[1, 2], [3, 4]], samples=2, max_new_tokens=8)
-    # An instance lapses with its leases: one beat renews both, to the same TTL.
-    cfg = ManagerConfig.from_env({"RLBOOST_LEASE_TTL_S": str(LEASE_TTL_S),
-                                  "RLBOOST_INSTANCE_TTL_S": str(LEASE_TTL_S)})
-    registry = Registry(cfg, redis, ledger, runs, ManagerMetrics(), SoftState(),
-                        InstanceEvents(redis, archive), CrashPoints("", tmp_path))
-    yield registry, run_id
-    await redis.aclose()
+    async with registry_with_run(brokers, tmp_path, LEASE_TTL_S) as got:
+        yield got
 
 
 def beat(held: list[Held], version: int | None = 0, run_id: str | None = None,
