@@ -42,11 +42,10 @@ def outside_roots(path: str, roots: Sequence[Path], *, resolve: bool) -> bool:
     if resolve:
         where = Path(path).expanduser().resolve()
         return not any(where.is_relative_to(Path(r).expanduser().resolve()) for r in roots)
-    if not os.path.isabs(path):
+    if not os.path.isabs(path) or not all(os.path.isabs(r) for r in roots):
         return False  # relative to the trainer's working directory: the trainer's to judge
     where = Path(os.path.normpath(path))
-    return not any(where.is_relative_to(os.path.normpath(r)) for r in roots
-                   if os.path.isabs(r))
+    return not any(where.is_relative_to(os.path.normpath(r)) for r in roots)
 
 
 def roots_text(roots: Sequence[Path]) -> str:
