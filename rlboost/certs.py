@@ -35,7 +35,7 @@ from shared.tls import PEER_NAME
 
 # What clients dial inside the compose networks (compose/*.yml), and on this machine.
 SERVICE_NAMES = ("localhost", "127.0.0.1", "::1", "nats", "nats-2", "nats-3", "manager",
-                 "manager-2", "weights", "redis")
+                 "manager-2", "weights")
 CA_DAYS = 3650
 LEAF_DAYS = 825  # the longest validity clients (Apple's, browsers) accept for a server cert
 FILES = ("ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "peer.pem", "peer-key.pem")
