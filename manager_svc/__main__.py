@@ -11,7 +11,7 @@ import uvicorn
 from manager_svc.app import create_app
 from manager_svc.service import ManagerService
 from shared.config import ManagerConfig, url_port
-from shared.http_guard import LOOPBACK, refuse_open_bind
+from shared.http_guard import LOOPBACK, refuse_open_bind, refuse_plain_bind
 from shared.logs import setup_logging
 from shared.process import die_with_parent
 
@@ -25,6 +25,8 @@ def main() -> None:
     host = urlparse(cfg.common.manager_url).hostname or "127.0.0.1"
     bind = host if host in LOOPBACK else "0.0.0.0"
     refuse_open_bind("manager", bind, cfg.common.api_token, "RLBOOST_API_TOKEN")
+    tls = cfg.common.tls
+    refuse_plain_bind("manager", bind, tls.serving, cfg.common.allow_plaintext)
     app = create_app(ManagerService(cfg), bind_host=bind)
     # What is made so far (modules, the app, its routes and models) lives as long as the
     # process: frozen, the collector stops scanning it, and a full collection inside an
@@ -39,7 +41,8 @@ def main() -> None:
     uvicorn.run(app, host=bind, port=url_port(cfg.common.manager_url, 8000),
                 log_level=logging.getLevelName(logging.WARNING).lower(), access_log=False,
                 # An open dashboard's event stream must not hold the manager's stop.
-                timeout_graceful_shutdown=3)
+                timeout_graceful_shutdown=3,
+                ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ class ManagerService:
 
     async def start(self) -> None:
         self.redis = await connect_redis(self.cfg.common.redis_url)
-        self.nc = await connect_nats(self.cfg.common.nats_url, "manager")
+        self.nc = await connect_nats(self.cfg.common.nats_url, "manager",
+                                     tls=self.cfg.common.tls.client())
         self.auth = await ChunkAuth.load(self.redis)
         self._wire()
         seed, password = reveal(self.cfg.issuer_seed), reveal(self.cfg.rollout_password)

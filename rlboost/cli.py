@@ -14,6 +14,9 @@ and the commands that talk to a running manager (RLBOOST_MANAGER_URL, RLBOOST_AP
                                                                   directory, from the weight
                                                                   service (RLBOOST_WEIGHTS_URL,
                                                                   RLBOOST_WEIGHTS_READ_TOKEN)
+    rlboost certs DIR [--host NAME ...] [--force]                 a CA and TLS certificates for
+                                                                  NATS, the manager, the weight
+                                                                  service and rollout peers
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -28,12 +32,14 @@ from typing import Any
 
 import httpx
 
+from rlboost.certs import CertsError, make_certs
 from rlboost.export import ExportError, run_export
 from rlboost.launcher import Cluster
 from rlboost.spec_flags import add_spec_flags, spec_body
 from rlboost.watch import watch
 from shared.process import exit_on_sigterm
 from shared.settings import mask_url
+from shared.tls import Tls
 
 
 def _headers() -> dict[str, str]:
@@ -45,8 +51,14 @@ def _manager_url() -> str:
     return os.environ.get("RLBOOST_MANAGER_URL", "http://127.0.0.1:8000")
 
 
+def _verify() -> ssl.SSLContext | bool:
+    """RLBOOST_TLS_CA_FILE: the CA the manager's certificate is checked against."""
+    return Tls.client_env().verify()
+
+
 def _client() -> httpx.Client:
-    return httpx.Client(base_url=_manager_url(), headers=_headers(), timeout=10.0)
+    return httpx.Client(base_url=_manager_url(), headers=_headers(), timeout=10.0,
+                        verify=_verify())
 
 
 class Progress:
@@ -114,7 +126,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if args.steps:
             body["steps"] = args.steps
         with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], headers=_headers(),
-                          timeout=10.0) as client:
+                          timeout=10.0, verify=Tls.client_env(cluster.env).verify()) as client:
             resp = client.post("/v1/runs", json=body)
             resp.raise_for_status()
             run_id = resp.json()["id"]
@@ -156,7 +168,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # yaml's errors are ValueErrors too
         print(f"rlboost submit: {exc}", file=sys.stderr)
         return 2
-    resp = httpx.post(f"{_manager_url()}/v1/runs", json=body, headers=_headers())
+    with _client() as client:
+        resp = client.post("/v1/runs", json=body)
     print(json.dumps(resp.json(), indent=2))
     return 0 if resp.status_code == 201 else 1
 
@@ -196,6 +209,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    try:
+        issued = make_certs(Path(args.dir), args.host or (), force=args.force)
+    except (CertsError, OSError) as exc:
+        print(f"rlboost certs: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote a CA, server and peer certificates to {issued.directory}")
+    print(f"  server names: {' '.join(issued.names)}")
+    print(f"  every service and client: RLBOOST_TLS_CA_FILE={issued.directory / 'ca.pem'}")
+    print("  keep ca-key.pem off the machines that run services")
+    return 0
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     with _client() as client:
         try:
@@ -206,7 +232,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     path = f"/v1/runs/{args.run_id}" if args.run_id else "/v1/runs"
-    resp = httpx.get(_manager_url() + path, headers=_headers())
+    with _client() as client:
+        resp = client.get(path)
     print(json.dumps(resp.json(), indent=2))
     return 0 if resp.status_code == 200 else 1
 
@@ -266,10 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("dir", help="where to write it (must not exist, or be empty)")
     export.add_argument("--version", type=int, default=None,
                         help="weight version (default: the newest the weight service holds)")
+    certs = sub.add_parser("certs", help="make a CA and TLS certificates (docs/deployment.md)")
+    certs.add_argument("dir", help="where to write them (created, keys 0600)")
+    certs.add_argument("--host", action="append", metavar="NAME",
+                       help="one more name or IP address of the server certificate (repeat)")
+    certs.add_argument("--force", action="store_true", help="replace existing files")
     args = parser.parse_args(argv)
     commands = {"up": cmd_up, "submit": cmd_submit, "runs": cmd_runs, "status": cmd_status,
                 "watch": cmd_watch, "cancel": cmd_run_action, "resume": cmd_run_action,
-                "export": cmd_export}
+                "export": cmd_export, "certs": cmd_certs}
     if args.command in commands:
         return commands[args.command](args)
     return _service(args.module)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import WeightsError
+from shared.tls import Tls
 from shared.weights import MANIFEST_NAME, list_versions, pull_version
 
 # What makes a directory loadable; the rest (tokenizer files) travels when the base has it.
@@ -52,20 +53,21 @@ def _choose(run_id: str, versions: list[int], asked: int | None) -> int:
 
 
 async def export(weights_url: str, token: str | None, run_id: str, dest: Path,
-                 version: int | None = None, timeout_s: float = 120) -> Exported:
+                 version: int | None = None, timeout_s: float = 120,
+                 tls: Tls | None = None) -> Exported:
     """Pull one version of ``run_id`` into ``dest`` (module doc); raises :class:`ExportError`."""
     dest = dest.resolve()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ExportError(f"{dest} exists and is not an empty directory")
     try:
-        versions, _ = await list_versions(weights_url, token, run_id)
+        versions, _ = await list_versions(weights_url, token, run_id, tls=tls)
         chosen = _choose(run_id, versions, version)
         dest.parent.mkdir(parents=True, exist_ok=True)
         # Beside dest, so the final move is one rename on one file system.
         scratch = Path(tempfile.mkdtemp(prefix=f".{dest.name}.export-", dir=dest.parent))
         try:
             pulled = await pull_version(weights_url, token, run_id, chosen, scratch,
-                                        timeout_s=timeout_s)
+                                        timeout_s=timeout_s, tls=tls)
             (pulled / MANIFEST_NAME).unlink(missing_ok=True)
             files = sorted(p.name for p in pulled.iterdir())
             missing = [name for name in REQUIRED if name not in files]
@@ -87,4 +89,4 @@ def run_export(run_id: str, dest: Path, version: int | None) -> Exported:
     url = os.environ.get("RLBOOST_WEIGHTS_URL", "http://127.0.0.1:8001")
     token = os.environ.get("RLBOOST_WEIGHTS_READ_TOKEN") or os.environ.get(
         "RLBOOST_WEIGHTS_TOKEN") or None
-    return asyncio.run(export(url, token, run_id, dest, version))
+    return asyncio.run(export(url, token, run_id, dest, version, tls=Tls.client_env()))

@@ -91,6 +91,7 @@ class Cluster:
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    scheme: str = "http"  # of the manager's and the weight service's URLs
     # What one child's environment changes, by its name and environment: a fault test points
     # each process at its own proxy of every link (tests.support.links). None: nothing.
     per_child: Callable[[str, dict[str, str]], dict[str, str]] | None = None
@@ -106,8 +107,10 @@ class Cluster:
             for key, value in self.stack.env().items():
                 env.setdefault(key, value)
             self.role_env = self.stack.role_env()
-        env.setdefault("RLBOOST_MANAGER_URL", f"http://127.0.0.1:{_port_or_free(8000)}")
-        env.setdefault("RLBOOST_WEIGHTS_URL", f"http://127.0.0.1:{_port_or_free(8001)}")
+        # The manager and the weight service serve HTTPS where they have a certificate.
+        self.scheme = "https" if env.get("RLBOOST_TLS_CERT_FILE") else "http"
+        env.setdefault("RLBOOST_MANAGER_URL", f"{self.scheme}://127.0.0.1:{_port_or_free(8000)}")
+        env.setdefault("RLBOOST_WEIGHTS_URL", f"{self.scheme}://127.0.0.1:{_port_or_free(8001)}")
         # Four torch processes share two cores: one intra-op thread each avoids thrashing.
         env.setdefault("RLBOOST_TORCH_THREADS", "1")
         env["RLBOOST_PARENT_PID"] = str(os.getpid())  # children exit if we die (shared.process)
@@ -116,7 +119,7 @@ class Cluster:
         py = sys.executable
         self._spawn("weights", [py, "-m", "weight_svc"], self.role_env.get("weights", {}), logs)
         self.manager_urls = [env["RLBOOST_MANAGER_URL"]] + [
-            f"http://127.0.0.1:{free_port()}" for _ in range(1, self.managers)]
+            f"{self.scheme}://127.0.0.1:{free_port()}" for _ in range(1, self.managers)]
         for i, url in enumerate(self.manager_urls):
             self._spawn("manager" if i == 0 else f"manager-{i}", [py, "-m", "manager_svc"],
                         {**self.role_env.get("manager", {}), "RLBOOST_MANAGER_URL": url}, logs)

@@ -8,7 +8,10 @@ are open, as loopback-only development servers. Locked (``Stack.create(..., lock
 Redis takes a ``requirepass``, and NATS runs the shipped ``compose/nats.conf`` with its three
 roles (:class:`NatsRoles`: fresh passwords and a fresh callout issuer, handed to the server in
 its environment as compose does); :meth:`Stack.env` then hands out each role its own URL and
-the manager the issuer seed and rollout password its auth callout checks logins with.
+the manager the issuer seed and rollout password its auth callout checks logins with. With
+``tls`` (a directory ``rlboost certs`` wrote; locked brokers only) NATS runs the shipped
+``compose/nats-tls.conf``, clients get ``tls://`` URLs, and every role the CA, the manager and
+the weight service the server certificate, rollout instances the peer one (RLBOOST_TLS_*).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from shared import identity
 from shared.ports import free_port, wait_port
 
 NATS_CONF = Path(__file__).resolve().parents[1] / "compose" / "nats.conf"
+NATS_TLS_CONF = NATS_CONF.with_name("nats-tls.conf")
 ROLES = ("manager", "trainer", "weights", "rollout")  # who connects; weights logs in as trainer
 
 
@@ -89,10 +93,12 @@ class Server:
     roles: NatsRoles | None = field(default=None, repr=False)
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     monitor_port: int = field(default_factory=free_port)
+    certs: Path | None = None  # NATS: serve TLS with the server certificate of this directory
 
     def argv(self) -> list[str]:
         if self.name == "nats":
-            config = ["-c", str(NATS_CONF), "-m", str(self.monitor_port)] if self.roles else []
+            conf = NATS_TLS_CONF if self.certs is not None else NATS_CONF
+            config = ["-c", str(conf), "-m", str(self.monitor_port)] if self.roles else []
             return [server_binary("nats-server"), *config, "-js", "-a", "127.0.0.1", "-p",
                     str(self.port), "-sd", str(self.data_dir)]
         login = ["--requirepass", self.password] if self.password else []
@@ -103,7 +109,8 @@ class Server:
     def url_for(self, role: str = "manager") -> str:
         if self.name == "nats":
             login = "{}:{}@".format(*self.roles.login(role)) if self.roles else ""
-            return f"nats://{login}127.0.0.1:{self.port}"
+            scheme = "tls" if self.certs is not None else "nats"
+            return f"{scheme}://{login}127.0.0.1:{self.port}"
         login = f":{self.password}@" if self.password else ""
         return f"redis://{login}127.0.0.1:{self.port}/0"
 
@@ -115,6 +122,9 @@ class Server:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         env = {**os.environ, **(self.roles.server_env() if self.roles else {})}
+        if self.certs is not None:
+            env.update(NATS_TLS_CERT=str(self.certs / "server.pem"),
+                       NATS_TLS_KEY=str(self.certs / "server-key.pem"))
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=env)
         log.close()
@@ -137,14 +147,18 @@ class Stack:
     redis: Server
 
     @classmethod
-    def create(cls, root: Path, locked: bool = False, redis_password: str | None = None) -> Stack:
-        """Open brokers, or ``locked`` ones (Redis's password: ``redis_password`` or fresh)."""
+    def create(cls, root: Path, locked: bool = False, redis_password: str | None = None,
+               tls: Path | None = None) -> Stack:
+        """Open brokers, or ``locked`` ones (Redis's password: ``redis_password`` or fresh);
+        ``tls``: the certificates' directory (locked only: the TLS config includes the roles)."""
+        if tls is not None and not locked:
+            raise ValueError("TLS brokers are locked ones: Stack.create(..., locked=True)")
         root.mkdir(parents=True, exist_ok=True)
         if locked and redis_password is None:
             redis_password = f"redis-{secrets.token_hex(12)}"
         return cls(
             nats=Server("nats", free_port(), root / "nats", root / "nats.log",
-                        roles=NatsRoles.generate() if locked else None),
+                        roles=NatsRoles.generate() if locked else None, certs=tls),
             redis=Server("redis", free_port(), root / "redis", root / "redis.log",
                          redis_password if locked else None),
         )
@@ -165,6 +179,12 @@ class Stack:
     def env(self, role: str = "manager") -> dict[str, str]:
         """The broker settings of one role (``ROLES``); the manager's include its callout's."""
         env = {"RLBOOST_NATS_URL": self.nats.url_for(role), "RLBOOST_REDIS_URL": self.redis.url}
+        if (certs := self.nats.certs) is not None:
+            env["RLBOOST_TLS_CA_FILE"] = str(certs / "ca.pem")
+            if role != "trainer":  # it serves nothing
+                stem = "peer" if role == "rollout" else "server"
+                env["RLBOOST_TLS_CERT_FILE"] = str(certs / f"{stem}.pem")
+                env["RLBOOST_TLS_KEY_FILE"] = str(certs / f"{stem}-key.pem")
         if self.roles is not None and role == "manager":
             env["RLBOOST_NATS_ISSUER_SEED"] = self.roles.issuer_seed
             env["RLBOOST_NATS_ROLLOUT_PASSWORD"] = self.roles.rollout

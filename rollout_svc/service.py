@@ -132,12 +132,13 @@ class RolloutService:
                                           common.metrics_port)
         # Serves this instance's verified weight chunks to joining peers (shared.weights.peer).
         self.peer = PeerServer.from_config(self.weights_dir, reveal(common.weights_read_token),
-                                           self.cfg.peer)
+                                           self.cfg.peer, common.tls)
         self.peer.start()
         # Long deadline: a login waits for the manager's auth callout, which may start later.
         self.nc = await connect_nats(common.nats_url, self.cfg.instance_id, deadline_s=120.0,
                                      nkey_seed=self._nkey_seed,
-                                     inbox_prefix=names.inbox_prefix(self.cfg.instance_id))
+                                     inbox_prefix=names.inbox_prefix(self.cfg.instance_id),
+                                     tls=common.tls.client())
         self.js = self.nc.jetstream()
         await self.nc.subscribe(names.assign_subject(self.cfg.instance_id), cb=self._on_assign)
         await self.nc.subscribe(names.WEIGHTS_ANNOUNCE, cb=self._on_announce)
@@ -253,7 +254,7 @@ class RolloutService:
             common = self.cfg.common
             path = await pull_version(common.weights_url, reveal(common.weights_read_token), run_id,
                                       version, self.weights_dir, timeout_s=30.0,
-                                      peers=True, serve=self.peer)
+                                      peers=True, serve=self.peer, tls=common.tls)
             with self.metrics.load_seconds.time():
                 await asyncio.to_thread(self.engine.load, path, run_id, version)
         except Exception as exc:  # the next heartbeat retries; the instance stays usable

@@ -9,12 +9,17 @@ A rollout instance connects with ``nkey_seed`` (its process's own key, see
 :mod:`shared.identity`): the password of its URL then goes as nats-py's token beside the
 signed nonce (nats-py sends a user and password only without an nkey), and the URL that
 reaches nats-py carries no credential.
+
+With ``tls`` (:meth:`shared.tls.Tls.client`) the client opens TLS before the server says a
+word (``handshake_first``; the shipped compose/nats-tls.conf asks the same of every client):
+a server, or anyone between, that claims not to need TLS never sees a password in clear.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from typing import Any, TypeVar, cast
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -51,10 +56,13 @@ def split_credentials(url: str) -> tuple[str, str | None]:
 
 
 async def connect_nats(url: str, name: str, deadline_s: float = 30.0,
-                       nkey_seed: str | None = None, inbox_prefix: str | None = None) -> Nats:
+                       nkey_seed: str | None = None, inbox_prefix: str | None = None,
+                       tls: ssl.SSLContext | None = None) -> Nats:
     """Connect, retrying until ``deadline_s``; once up, the client reconnects forever."""
     end = time.monotonic() + deadline_s
     options: dict[str, Any] = {}
+    if tls is not None:
+        options.update(tls=tls, tls_handshake_first=True)
     if inbox_prefix is not None:
         options["inbox_prefix"] = inbox_prefix
     if nkey_seed is not None:

@@ -26,6 +26,7 @@ from pydantic import (
     AfterValidator,
     BeforeValidator,
     Field,
+    FilePath,
     SecretStr,
     ValidationInfo,
     field_validator,
@@ -37,6 +38,7 @@ from shared.identity import IdentityError, public_key
 from shared.names import INSTANCE_ID_MAX, valid_instance_id
 from shared.settings import Settings, UrlOf, reveal, setting
 from shared.sources import default_dataset_roots
+from shared.tls import Tls
 
 Engine = Literal["torch", "sglang", "emu"]
 ENGINES: tuple[Engine, ...] = ("torch", "sglang", "emu")
@@ -112,6 +114,27 @@ class Common(Settings):
     expose: Literal["auto", "open", "token"] = setting(
         "RLBOOST_EXPOSE", "auto", "/metrics, /docs and /openapi.json of the manager and the "
         "weight service: open, behind the bearer token, or auto = open only on a loopback bind")
+    tls_ca_file: FilePath | None = setting(
+        "RLBOOST_TLS_CA_FILE", None, "CA certificate (PEM): set, every NATS and HTTP connection "
+        "a service makes uses TLS and trusts this CA only (rlboost certs DIR makes one)")
+    tls_cert_file: FilePath | None = setting(
+        "RLBOOST_TLS_CERT_FILE", None, "certificate (PEM) the manager and the weight service "
+        "serve HTTPS with (a rollout instance: its peer chunk server); needs the key")
+    tls_key_file: FilePath | None = setting(
+        "RLBOOST_TLS_KEY_FILE", None, "the private key (PEM) of that certificate")
+    allow_plaintext: bool = setting(
+        "RLBOOST_ALLOW_PLAINTEXT", False, "let the manager and the weight service serve plain "
+        "HTTP beyond loopback (TLS ends at a proxy in front); unset, they refuse to")
+
+    @model_validator(mode="after")
+    def _cert_and_key(self) -> Self:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("RLBOOST_TLS_CERT_FILE and RLBOOST_TLS_KEY_FILE: set both or neither")
+        return self
+
+    @property
+    def tls(self) -> Tls:
+        return Tls(self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
 
     @property
     def dataset_dirs(self) -> list[Path]:

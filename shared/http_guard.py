@@ -53,6 +53,19 @@ def refuse_open_bind(service: str, bind_host: str, token: object | None, setting
         raise SystemExit(f"{service}: {problem}")
 
 
+def refuse_plain_bind(service: str, bind_host: str, serving_tls: bool, allowed: bool) -> None:
+    """A service bound beyond loopback without TLS would carry its tokens and what it serves
+    in clear: it exits before it listens, unless RLBOOST_ALLOW_PLAINTEXT says TLS ends in
+    front of it (a proxy)."""
+    if not serving_tls and not allowed and bind_host not in LOOPBACK:
+        problem = ConfigError("RLBOOST_TLS_CERT_FILE", f"unset, but the {service} would serve "
+                              f"plain HTTP on {bind_host}, beyond this machine: set it and "
+                              "RLBOOST_TLS_KEY_FILE (rlboost certs DIR makes them), use a "
+                              "loopback URL, or set RLBOOST_ALLOW_PLAINTEXT=true behind a TLS "
+                              "proxy")
+        raise SystemExit(f"{service}: {problem}")
+
+
 def info_open(expose: str, bind_host: str) -> bool:
     """RLBOOST_EXPOSE: are /metrics and the docs open on a service bound to ``bind_host``?"""
     return expose == "open" or (expose == "auto" and bind_host in LOOPBACK)

@@ -51,7 +51,8 @@ def main() -> None:
         return
     # Every rank gets the weight service's address: a sharded version is uploaded by all.
     distributed.init(launch, sharding_of(cfg),
-                     WeightsAccess(str(cfg.common.weights_url), reveal(cfg.common.weights_token)))
+                     WeightsAccess(str(cfg.common.weights_url), reveal(cfg.common.weights_token),
+                                   cfg.common.tls))
     try:
         if rank == 0:
             asyncio.run(_serve(cfg))

@@ -16,6 +16,7 @@ every step with the optimizer's state, which a restarted trainer and ``POST /res
 from __future__ import annotations
 
 from shared.spec import RunSpec
+from shared.tls import Tls
 from shared.weights import pin_version, unpin_version
 
 
@@ -29,11 +30,11 @@ def kept_versions(spec: RunSpec, version: int) -> list[int]:
 
 
 async def keep_saved(weights_url: str, token: str | None, run_id: str, spec: RunSpec,
-                     version: int) -> list[int]:
+                     version: int, tls: Tls | None = None) -> list[int]:
     """Pin ``version`` if it is kept, unpin the one it pushes out; returns the kept versions."""
     kept = kept_versions(spec, version)
     if version in kept:
-        await pin_version(weights_url, token, run_id, version)
+        await pin_version(weights_url, token, run_id, version, tls=tls)
     for old in sorted(set(kept_versions(spec, version - 1)) - set(kept)):
-        await unpin_version(weights_url, token, run_id, old)
+        await unpin_version(weights_url, token, run_id, old, tls=tls)
     return kept

@@ -132,7 +132,7 @@ class TrainerService:
         common = self.cfg.common
         port = serve_metrics(self.registry, common.metrics_addr, common.metrics_port)
         log.info("metrics on %s:%d", common.metrics_addr, port)
-        nc = await connect_nats(common.nats_url, self.cfg.trainer_id)
+        nc = await connect_nats(common.nats_url, self.cfg.trainer_id, tls=common.tls.client())
         self.manager = ManagerClient(nc, self.cfg.trainer_id)
         await nc.subscribe(names.group_subject("*"), cb=self.events.on_group)
         await nc.subscribe(names.barrier_subject("*"), cb=self.events.on_barrier)
@@ -395,17 +395,18 @@ class TrainerService:
     async def _publish(self, run: ActiveTraining, version: int) -> None:
         if isinstance(run.policy, PublishesItself):  # sharded: every rank sends its own files
             access = WeightsAccess(str(self.cfg.common.weights_url),
-                                   reveal(self.cfg.common.weights_token))
+                                   reveal(self.cfg.common.weights_token), self.cfg.common.tls)
             await run.policy.publish(access, run.run_id, version)
             return
         await upload_version(self.cfg.common.weights_url, reveal(self.cfg.common.weights_token),
-                             run.run_id, version, run.policy.checkpoints.hf_dir(version))
+                             run.run_id, version, run.policy.checkpoints.hf_dir(version),
+                             tls=self.cfg.common.tls)
 
     async def _keep(self, run: ActiveTraining, version: int) -> list[int]:
         """Pin the versions the spec keeps for the user (trainer_svc.saved)."""
         return await keep_saved(self.cfg.common.weights_url,
                                 reveal(self.cfg.common.weights_token), run.run_id, run.spec,
-                                version)
+                                version, self.cfg.common.tls)
 
     async def _report_again(self, run: ActiveTraining, step: int) -> None:
         saved = run.policy.checkpoints.load_finish(step)

@@ -18,7 +18,7 @@ from types import FrameType
 import uvicorn
 
 from shared.config import WeightsConfig, url_port
-from shared.http_guard import refuse_open_bind
+from shared.http_guard import refuse_open_bind, refuse_plain_bind
 from shared.logs import setup_logging
 from shared.process import die_with_parent
 from weight_svc.app import create_app
@@ -37,6 +37,8 @@ def main() -> None:
     host, port = bind_host(cfg.common.weights_url), url_port(cfg.common.weights_url, DEFAULT_PORT)
     # Without the write token, anyone who reaches it could publish a version.
     refuse_open_bind("weight service", host, cfg.common.weights_token, "RLBOOST_WEIGHTS_TOKEN")
+    tls = cfg.common.tls
+    refuse_plain_bind("weight service", host, tls.serving, cfg.common.allow_plaintext)
     log.info("weight service config: %s listen=%s:%d", cfg.describe(), host, port)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -46,6 +48,8 @@ def main() -> None:
             log_config=None,  # keep the root logging set up above
             access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            ssl_certfile=tls.cert_file,
+            ssl_keyfile=tls.key_file,
         )
     )
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown, then re-raises the signal under the

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -28,8 +30,10 @@ CLOSE_TIMEOUT_S = 2.0
 
 
 class Announcer:
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, tls: ssl.SSLContext | None = None) -> None:
         self._url = nats_url
+        # TLS first, as shared.bus connects: no password before the handshake.
+        self._tls: dict[str, Any] = {"tls": tls, "tls_handshake_first": True} if tls else {}
         self._shown = mask_url(nats_url)  # what the log may say: its password masked
         self._nc: Client | None = None
         self._task: asyncio.Task[None] | None = None
@@ -62,6 +66,7 @@ class Announcer:
                 max_reconnect_attempts=-1,  # the first connect too: keep trying in the background
                 reconnect_time_wait=2.0,
                 error_cb=self._on_error,
+                **self._tls,
                 reconnected_cb=self._on_reconnect,
             )
             log.info("NATS at %s connected; announcing new versions", self._shown)

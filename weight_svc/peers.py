@@ -6,7 +6,7 @@ Contract:
   registers again (peers refresh every ``shared.weights.peer.REFRESH_S``). It is soft state, held
   only in memory on purpose: after a service restart the list is empty for at most one refresh
   period, which costs egress, never correctness (every chunk is verified against the service's
-  manifest whoever serves it). URLs are validated (``http://host:port``, nothing else) and the
+  manifest whoever serves it). URLs are validated (``http(s)://host:port``, nothing else) and the
   number of peers per version and of versions tracked is bounded.
 - :class:`DataPlane` serves file downloads with ``sendfile`` on a second port of the same host
   (``RLBOOST_WEIGHTS_DATA_PORT``, 0 = any free port), advertised by the ``X-Rlboost-Data-Port``
@@ -18,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import ipaddress
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,10 +100,11 @@ class DataPlane:
         tokens: list[str],
         on_served: Callable[[int], None],
         max_connections: int,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.store = store
         self.server = RangeServer(host, port, "/v1/weights", self._resolve, tokens, on_served,
-                                  max_connections=max_connections)
+                                  max_connections=max_connections, tls=tls)
 
     @property
     def port(self) -> int:

@@ -53,8 +53,9 @@ class WeightService:
         self.peers = PeerRegistry()
         self.host = bind_host(cfg.common.weights_url)
         self.data = DataPlane(self.store, self.host, cfg.data_port, self.readers,
-                              self.metrics.bytes_served.inc, cfg.max_connections)
-        self.announcer = Announcer(cfg.common.nats_url)
+                              self.metrics.bytes_served.inc, cfg.max_connections,
+                              cfg.common.tls.server())
+        self.announcer = Announcer(cfg.common.nats_url, cfg.common.tls.client())
         self.run_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         nats_up = Gauge(
             "rlboost_weights_nats_connected", "1 if NATS is connected",

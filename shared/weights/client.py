@@ -27,11 +27,13 @@ import asyncio
 import functools
 import hashlib
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from shared.errors import WeightsError
+from shared.tls import Tls
 from shared.weights.manifest import Manifest, check_ids, valid_name
 from shared.weights.session import Session
 
@@ -41,6 +43,11 @@ _IO_BLOCK = 1 << 20
 
 
 # --- upload -----------------------------------------------------------------------------------
+
+
+def _verify(tls: Tls | None) -> ssl.SSLContext | bool:
+    """Every call's ``tls``: the CA the service is verified with (None: plain or system CAs)."""
+    return tls.verify() if tls is not None else True
 
 
 def model_files(model_dir: Path) -> list[Path]:
@@ -86,11 +93,13 @@ async def _same_content(manifest: Manifest, files: list[Path]) -> bool:
 
 
 async def published(base_url: str, token: str | None, run_id: str, version: int,
-                    files: list[Path], timeout_s: float = 60) -> Manifest | None:
+                    files: list[Path], timeout_s: float = 60, *, tls: Tls | None = None
+                    ) -> Manifest | None:
     """The manifest when (run_id, version) is published with exactly ``files``; None when it
     is not published; a non-retryable WeightsError when it is, with other content."""
     check_ids(run_id, version)
-    async with Session(base_url, token, timeout_s, max_attempts=5) as session:
+    async with Session(base_url, token, timeout_s, max_attempts=5,
+                       verify=_verify(tls)) as session:
         existing = await session.manifest(run_id, version)
     if existing is None:
         return None
@@ -100,7 +109,8 @@ async def published(base_url: str, token: str | None, run_id: str, version: int,
 
 
 async def upload_files(base_url: str, token: str | None, run_id: str, version: int,
-                       files: list[Path], timeout_s: float = 60) -> None:
+                       files: list[Path], timeout_s: float = 60, *, tls: Tls | None = None
+                       ) -> None:
     """Stream ``files`` into the version's staging area; nothing is published until a commit.
 
     ``timeout_s`` bounds each network operation (connect, each read or write), not the whole
@@ -110,7 +120,8 @@ async def upload_files(base_url: str, token: str | None, run_id: str, version: i
     for path in files:
         if not path.is_file() or not valid_name(path.name):
             raise WeightsError(f"{path}: only flat files with plain names can be uploaded", False)
-    async with Session(base_url, token, timeout_s, max_attempts=5) as session:
+    async with Session(base_url, token, timeout_s, max_attempts=5,
+                       verify=_verify(tls)) as session:
         for path in files:
             size = path.stat().st_size
             await session.send(
@@ -122,10 +133,11 @@ async def upload_files(base_url: str, token: str | None, run_id: str, version: i
 
 
 async def commit_version(base_url: str, token: str | None, run_id: str, version: int,
-                         timeout_s: float = 60) -> Manifest:
+                         timeout_s: float = 60, *, tls: Tls | None = None) -> Manifest:
     """Publish what is staged for (run_id, version), atomically; returns the manifest."""
     check_ids(run_id, version)
-    async with Session(base_url, token, timeout_s, max_attempts=5) as session:
+    async with Session(base_url, token, timeout_s, max_attempts=5,
+                       verify=_verify(tls)) as session:
         resp = await session.send("POST", f"/v1/weights/{run_id}/{version}/commit")
     manifest: Manifest = resp.json()
     return manifest
@@ -138,24 +150,28 @@ async def upload_version(
     version: int,
     model_dir: Path,
     timeout_s: float = 60,
+    *,
+    tls: Tls | None = None,
 ) -> Manifest:
     """Upload and publish ``model_dir`` as (run_id, version); returns the manifest."""
     files = model_files(model_dir)
-    existing = await published(base_url, token, run_id, version, files, timeout_s)
+    existing = await published(base_url, token, run_id, version, files, timeout_s, tls=tls)
     if existing is not None:
         return existing
-    await upload_files(base_url, token, run_id, version, files, timeout_s)
-    return await commit_version(base_url, token, run_id, version, timeout_s)
+    await upload_files(base_url, token, run_id, version, files, timeout_s, tls=tls)
+    return await commit_version(base_url, token, run_id, version, timeout_s, tls=tls)
 
 
 async def wait_for_version(
-    base_url: str, token: str | None, run_id: str, version: int, timeout_s: float
+    base_url: str, token: str | None, run_id: str, version: int, timeout_s: float,
+    *, tls: Tls | None = None,
 ) -> Manifest:
     """Poll until (run_id, version) is published; its manifest, or WeightsError after timeout_s."""
     check_ids(run_id, version)
     deadline = time.monotonic() + timeout_s
     delay = 0.05
-    async with Session(base_url, token, max(timeout_s, 1.0), patience_s=timeout_s) as session:
+    async with Session(base_url, token, max(timeout_s, 1.0), patience_s=timeout_s,
+                       verify=_verify(tls)) as session:
         while True:
             try:
                 manifest = await session.manifest(run_id, version)
@@ -172,36 +188,44 @@ async def wait_for_version(
 
 
 async def pin_version(
-    base_url: str, token: str | None, run_id: str, version: int, timeout_s: float = 30
+    base_url: str, token: str | None, run_id: str, version: int, timeout_s: float = 30,
+    *, tls: Tls | None = None,
 ) -> None:
     """Never collect (run_id, version) until :func:`unpin_version`; it must be published."""
     check_ids(run_id, version)
-    async with Session(base_url, token, timeout_s, max_attempts=5) as session:
+    async with Session(base_url, token, timeout_s, max_attempts=5,
+                       verify=_verify(tls)) as session:
         await session.send("POST", f"/v1/weights/{run_id}/{version}/pin")
 
 
 async def unpin_version(
-    base_url: str, token: str | None, run_id: str, version: int, timeout_s: float = 30
+    base_url: str, token: str | None, run_id: str, version: int, timeout_s: float = 30,
+    *, tls: Tls | None = None,
 ) -> None:
     check_ids(run_id, version)
-    async with Session(base_url, token, timeout_s, max_attempts=5) as session:
+    async with Session(base_url, token, timeout_s, max_attempts=5,
+                       verify=_verify(tls)) as session:
         await session.send("DELETE", f"/v1/weights/{run_id}/{version}/pin")
 
 
 async def list_versions(
-    base_url: str, token: str | None, run_id: str, timeout_s: float = 10
+    base_url: str, token: str | None, run_id: str, timeout_s: float = 10,
+    *, tls: Tls | None = None,
 ) -> tuple[list[int], list[int]]:
     """The run's published versions and its pinned ones, ascending (both empty: none)."""
     check_ids(run_id, 0)
-    async with Session(base_url, token, timeout_s, max_attempts=3) as session:
+    async with Session(base_url, token, timeout_s, max_attempts=3,
+                       verify=_verify(tls)) as session:
         reply = await session.json("GET", f"/v1/weights/{run_id}")
     return [int(v) for v in reply["versions"]], [int(v) for v in reply["pinned"]]
 
 
 async def list_peers(
-    base_url: str, token: str | None, run_id: str, version: int, timeout_s: float = 10
+    base_url: str, token: str | None, run_id: str, version: int, timeout_s: float = 10,
+    *, tls: Tls | None = None,
 ) -> list[str]:
     check_ids(run_id, version)
-    async with Session(base_url, token, timeout_s, max_attempts=3) as session:
+    async with Session(base_url, token, timeout_s, max_attempts=3,
+                       verify=_verify(tls)) as session:
         reply = await session.json("GET", f"/v1/weights/{run_id}/{version}/peers")
     return [str(u) for u in reply["peers"]]

@@ -21,6 +21,7 @@ import ctypes.util
 import hashlib
 import os
 import socket
+import ssl
 import threading
 from typing import Any
 from urllib.parse import urlsplit
@@ -70,13 +71,17 @@ def start_writeback(fd: int, offset: int, size: int) -> None:
 class RangeConn:
     """One keep-alive connection to one source, used by one thread at a time."""
 
-    def __init__(self, base_url: str, token: str | None, timeout_s: float) -> None:
+    def __init__(self, base_url: str, token: str | None, timeout_s: float,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: the context an https source is verified with (default: the system's)."""
         parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise SourceError(None, f"unsupported source URL {base_url!r}: http://host:port only")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise SourceError(None, f"unsupported source URL {base_url!r}: http(s)://host:port "
+                              "only")
         self.base_url = base_url
         self.host = parts.hostname
-        self.port = parts.port or 80
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._tls = (tls or ssl.create_default_context()) if parts.scheme == "https" else None
         self.timeout_s = timeout_s
         self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self._sock: socket.socket | None = None
@@ -117,6 +122,8 @@ class RangeConn:
         if self._sock is None:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self.host)
             self._sock = sock
         return self._sock
 

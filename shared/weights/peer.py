@@ -18,7 +18,11 @@ announces itself to the weight service
 (``POST /v1/weights/<run>/<version>/peers``) for every version it serves, refreshing every
 ``REFRESH_S`` (the service forgets a peer after 60 s) until the version is gone from disk.
 
-The address it announces: RLBOOST_PEER_URL when set (``http://host:port``, e.g. the machine's
+With TLS (RLBOOST_TLS_CERT_FILE: the peer certificate of ``rlboost certs``) it serves HTTPS and
+announces ``https://``; with a CA but no certificate it announces nothing, since pullers that
+use TLS send their token to no plain-text peer (:mod:`shared.tls`).
+
+The address it announces: RLBOOST_PEER_URL when set (``http(s)://host:port``, e.g. the machine's
 address where a container's port is published); else, bound to a wildcard (0.0.0.0), the local
 address this host reaches the weight service from, which its neighbours can reach too; else the
 bound address. A loopback address is announced only to a weight service on loopback: to any
@@ -44,6 +48,7 @@ import httpx
 
 from shared.config import PeerConfig
 from shared.errors import ConfigError
+from shared.tls import Tls
 from shared.weights.manifest import MANIFEST_NAME, Chunk, Manifest, chunks_of
 from shared.weights.partial import local_manifest
 from shared.weights.range_server import RangeError, RangeServer
@@ -96,13 +101,13 @@ def route_ip(url: str) -> str:
 
 # What the weight service accepts as a peer's URL (weight_svc.peers): a host name or an IPv4
 # address and a port, nothing more, since every joiner connects to it as given.
-PEER_URL_RE = re.compile(r"http://[A-Za-z0-9.\-]{1,253}:\d{1,5}")
+PEER_URL_RE = re.compile(r"https?://[A-Za-z0-9.\-]{1,253}:\d{1,5}")
 
 
 def peer_url_problem(url: object) -> str | None:
     """Why ``url`` is no peer URL, or None if it is one."""
     if not isinstance(url, str) or PEER_URL_RE.fullmatch(url) is None:
-        return f"peer url must be http://host:port, got {str(url)[:100]!r}"
+        return f"peer url must be http(s)://host:port, got {str(url)[:100]!r}"
     if not 0 < int(url.rsplit(":", 1)[1]) < 65536:
         return f"peer url has an invalid port: {url!r}"
     return None
@@ -117,10 +122,12 @@ def check_url(url: str, name: str) -> None:
 class PeerServer:
     def __init__(
         self, weights_dir: Path, token: str | None, host: str = "127.0.0.1", port: int = 0,
-        advertise: str | None = None,
+        advertise: str | None = None, tls: Tls | None = None,
     ) -> None:
         self.weights_dir = weights_dir
         self.token = token
+        self.tls = tls or Tls()
+        self._scheme = "https" if self.tls.serving else "http"
         self._offers: dict[tuple[str, int], _Offer] = {}
         self._finals: dict[tuple[str, int], Manifest] = {}
         self._adverts: dict[tuple[str, str, int], None] = {}  # (service url, run, version)
@@ -131,18 +138,19 @@ class PeerServer:
         self.bytes_served = 0
         self.server = RangeServer(
             host, port, PEER_PREFIX, self._resolve, [token] if token else [], self._count,
-            json_hook=self._json, range_hook=self._check_range,
+            json_hook=self._json, range_hook=self._check_range, tls=self.tls.server(),
         )
-        self.url = advertise or f"http://{host}:{self.server.port}"
+        self.url = advertise or f"{self._scheme}://{host}:{self.server.port}"
         self._wildcard = host in WILDCARDS
         self._explicit = advertise is not None
         self._refused: set[str] = set()  # services told nothing: our URL is loopback to them
 
     @classmethod
-    def from_config(cls, weights_dir: Path, token: str | None, cfg: PeerConfig) -> PeerServer:
+    def from_config(cls, weights_dir: Path, token: str | None, cfg: PeerConfig,
+                    tls: Tls | None = None) -> PeerServer:
         if cfg.url is not None:
             check_url(cfg.url, "RLBOOST_PEER_URL")
-        return cls(weights_dir, token, cfg.addr, cfg.port, cfg.url)
+        return cls(weights_dir, token, cfg.addr, cfg.port, cfg.url, tls)
 
     @classmethod
     def from_env(
@@ -181,10 +189,13 @@ class PeerServer:
             self._offers.pop((run_id, version), None)
 
     def url_for(self, service_url: str) -> str | None:
-        """The URL to announce to ``service_url``; None where peers could not reach it."""
+        """The URL to announce to ``service_url``; None where peers could not reach it, or
+        would not (TLS on, no certificate to serve it with)."""
+        if self.tls.on and not self.tls.serving:
+            return None
         url = self.url
         if self._wildcard and not self._explicit:
-            url = f"http://{route_ip(service_url)}:{self.server.port}"
+            url = f"{self._scheme}://{route_ip(service_url)}:{self.server.port}"
         if _is_loopback(url) and not _is_loopback(service_url):
             with self._lock:
                 first = service_url not in self._refused
@@ -274,7 +285,7 @@ class PeerServer:
 
     def _refresh(self) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        with httpx.Client(headers=headers, timeout=5.0) as client:
+        with httpx.Client(headers=headers, timeout=5.0, verify=self.tls.verify()) as client:
             while not self._closed.is_set():
                 self._wake.clear()  # before reading: a wake from now on means another round
                 with self._lock:

@@ -35,6 +35,7 @@ import httpx
 
 from shared.errors import WeightsError
 from shared.process import wait_event
+from shared.tls import Tls
 from shared.weights.fetch import BLOCK, RangeConn, SourceError, Stopped
 from shared.weights.manifest import Chunk, check_ids, check_manifest
 from shared.weights.partial import Partial, local_manifest
@@ -54,24 +55,32 @@ FIRST_POLL_S = 2.0  # the longest a pull waits to hear which chunks existing pee
 class _Service:
     """Where the service's chunks come from: its data plane, rediscovered after a restart."""
 
-    def __init__(self, base_url: str, data_url: str | None, token: str | None, path: str) -> None:
+    def __init__(self, base_url: str, data_url: str | None, token: str | None, path: str,
+                 tls: Tls) -> None:
         self.base_url = base_url
         self.url = data_url or base_url
         self.token = token
         self.manifest_path = path
         self._lock = threading.Lock()
+        self.tls = tls.client()  # the service: its certificate must name its host
+        self.peer_tls = tls.peer_client()  # peers: signed by the CA, known by address only
+        self.verify = tls.verify()
+
+    def conn(self, url: str, timeout_s: float, peer: bool = False) -> RangeConn:
+        return RangeConn(url, self.token, timeout_s, self.peer_tls if peer else self.tls)
 
     def rediscover(self) -> None:
         # A restarted service may listen on another data port: ask the REST API again.
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            resp = httpx.get(self.base_url + self.manifest_path, headers=headers, timeout=2.0)
+            resp = httpx.get(self.base_url + self.manifest_path, headers=headers, timeout=2.0,
+                             verify=self.verify)
         except httpx.HTTPError:
             return
         port = resp.headers.get("x-rlboost-data-port", "")
         if resp.status_code == 200 and port.isdigit():
             with self._lock:
-                self.url = f"http://{resp.url.host}:{port}"
+                self.url = f"{resp.url.scheme}://{resp.url.host}:{port}"
 
 
 def _fetch_service(
@@ -82,7 +91,7 @@ def _fetch_service(
     corrupt, attempt = 0, 0
     while True:
         url = svc.url
-        conn = conns.get(url) or conns.setdefault(url, RangeConn(url, svc.token, timeout_s))
+        conn = conns.get(url) or conns.setdefault(url, svc.conn(url, timeout_s))
         try:
             if conn.fetch(path, chunk, plan.fds[chunk.name], buf, plan.stop):
                 return True
@@ -122,7 +131,7 @@ def _work(plan: Plan, partial: Partial, svc: _Service, run_id: str, version: int
                 _fetch_service(plan, svc, conns, buf, chunk, path, timeout_s)
             else:
                 conn = conns.get(peer) or conns.setdefault(
-                    peer, RangeConn(peer, svc.token, min(timeout_s, PEER_TIMEOUT_S)))
+                    peer, svc.conn(peer, min(timeout_s, PEER_TIMEOUT_S), peer=True))
                 path = f"{PEER_PREFIX}/{run_id}/{version}/files/{chunk.name}"
                 try:
                     ok = conn.fetch(path, chunk, plan.fds[chunk.name], buf, plan.stop)
@@ -140,16 +149,19 @@ def _work(plan: Plan, partial: Partial, svc: _Service, run_id: str, version: int
 
 
 async def _poll_peers(plan: Plan, session: Session, run_id: str, version: int,
-                      own_url: str | None, token: str | None, first: asyncio.Event) -> None:
+                      own_url: str | None, svc: _Service, first: asyncio.Event) -> None:
     """Keep the plan's view of who holds which chunk fresh; errors only make a peer look empty.
 
     Each peer is polled by its own task: in one shared round a peer that has vanished (its entry
     outlives it at the service for up to a minute) would hold every answer back until its
     connection timed out, and the healthy peers' claims would lapse meanwhile."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = {"Authorization": f"Bearer {svc.token}"} if svc.token else {}
     watchers: dict[str, asyncio.Task[None]] = {}
+    # With TLS on, a peer serving plain HTTP would get the read token in clear: not asked.
+    scheme = "https://" if svc.peer_tls is not None else "http://"
 
-    async with httpx.AsyncClient(headers=headers, timeout=2.0) as client:
+    async with httpx.AsyncClient(headers=headers, timeout=2.0,
+                                 verify=svc.peer_tls or True) as client:
 
         async def ask(url: str) -> None:
             try:
@@ -172,7 +184,8 @@ async def _poll_peers(plan: Plan, session: Session, run_id: str, version: int,
             while True:
                 try:
                     reply = await session.json("GET", f"/v1/weights/{run_id}/{version}/peers")
-                    listed = [u for u in reply["peers"] if isinstance(u, str) and u != own_url]
+                    listed = [u for u in reply["peers"] if isinstance(u, str) and u != own_url
+                              and u.startswith(scheme)]
                 except (WeightsError, KeyError, TypeError):
                     listed = []
                 new = [u for u in listed if u not in watchers and plan.worth_asking(u)]
@@ -245,8 +258,11 @@ async def pull_version(
     *,
     peers: bool = False,
     serve: PeerServer | None = None,
+    tls: Tls | None = None,
 ) -> Path:
-    """Download and verify (run_id, version) into ``dest_root/<run_id>/<version>/``; returns it."""
+    """Download and verify (run_id, version) into ``dest_root/<run_id>/<version>/``; returns it.
+    ``tls``: the CA the service (and peers) are verified with (shared.tls)."""
+    tls = tls or Tls()
     check_ids(run_id, version)
     if parallel < 1:
         raise WeightsError(f"parallel must be >= 1, got {parallel}", retryable=False)
@@ -257,7 +273,8 @@ async def pull_version(
         return final
     if final.exists():  # damaged by hand or by something outside this module: pull it afresh
         await asyncio.to_thread(shutil.rmtree, final, True)
-    async with Session(base_url, token, timeout_s, patience_s=timeout_s) as session:
+    async with Session(base_url, token, timeout_s, patience_s=timeout_s,
+                       verify=tls.verify()) as session:
         manifest_path = f"/v1/weights/{run_id}/{version}/manifest"
         manifest, data_url = await session.manifest_and_data_url(run_id, version)
         if manifest is None:
@@ -270,7 +287,7 @@ async def pull_version(
             raise WeightsError(f"cannot prepare {partial_dir}: {exc}", retryable=False) from exc
         plan = Plan(partial.chunks, set(partial.done), partial.fds, parallel,
                     random.randrange(max(len(partial.chunks), 1)), peers)
-        svc = _Service(base_url, data_url, token, manifest_path)
+        svc = _Service(base_url, data_url, token, manifest_path, tls)
         try:
             if serve is not None:
                 serve.offer(run_id, version, manifest, partial_dir, partial.done,
@@ -282,7 +299,7 @@ async def pull_version(
                 own = (await asyncio.to_thread(serve.url_for, base_url)
                        if serve is not None else None)
                 first = asyncio.Event()
-                poll = _poll_peers(plan, session, run_id, version, own, token, first)
+                poll = _poll_peers(plan, session, run_id, version, own, svc, first)
                 poller = asyncio.create_task(poll)
                 # Start with what peers already hold, rather than race them to the service.
                 await wait_event(first, FIRST_POLL_S)

@@ -9,8 +9,11 @@ names are validated before the resolver sees them. With tokens set, every reques
 ``max_connections`` connections are served at once (one thread each); a connection beyond that
 is answered 503 at once and closed, so idle sockets cannot pile up threads. Errors are JSON
 ``{"detail": ...}`` with a 4xx status (503 for the cap). Served file bytes are reported to
-``on_served`` (the owner's egress counter). :func:`parse_range` is the one Range parser of the
-weight service's ports (REST and data plane): bounded, so a 4,300-digit range is a 416.
+``on_served`` (the owner's egress counter). With ``tls`` (a server context) every connection is
+TLS, its handshake done in the connection's own thread (bounded by the same timeout); the file
+bytes then go through the TLS layer rather than ``sendfile``. :func:`parse_range` is the one
+Range parser of the weight service's ports (REST and data plane): bounded, so a 4,300-digit
+range is a 416.
 
 Why a separate server: the kernel moves file pages to the socket with ``sendfile`` without a copy
 through Python, so one connection runs at the link's limit on a single core, where an asyncio ASGI
@@ -25,6 +28,7 @@ import hmac
 import json
 import logging
 import re
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -135,6 +139,9 @@ class _Handler(BaseHTTPRequestHandler):
             if status == 206:
                 self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
             self.end_headers()
+            # Over TLS, socket.sendfile falls back to reading the file from its position,
+            # which it moves only for a nonzero offset: the size probe left it at the end.
+            f.seek(start)
             sent = self.connection.sendfile(f, start, end - start)
             self.server.on_served(sent)
             if sent != end - start:  # the file shrank: the client's length check catches it
@@ -177,8 +184,10 @@ class RangeServer(ThreadingHTTPServer):
         range_hook: RangeHook | None = None,
         timeout_s: float = 60.0,
         max_connections: int = MAX_CONNECTIONS,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__((host, port), _Handler)
+        self.tls = tls
         self.prefix = prefix
         self.resolver = resolver
         self.tokens = [t.encode() for t in tokens if t]  # any one is accepted; none = open
@@ -199,6 +208,8 @@ class RangeServer(ThreadingHTTPServer):
     def get_request(self) -> tuple[Any, Any]:
         conn, addr = super().get_request()
         conn.settimeout(self.timeout_s)  # an idle or stalled client frees its thread
+        if self.tls is not None:  # the handshake waits for the connection's thread
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         return conn, addr
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -217,6 +228,12 @@ class RangeServer(ThreadingHTTPServer):
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
+            if isinstance(request, ssl.SSLSocket):
+                try:
+                    request.do_handshake()
+                except OSError:  # not TLS, an untrusted client, or too slow: nothing to serve
+                    self.shutdown_request(request)
+                    return
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
@@ -44,9 +45,12 @@ class Session:
         *,
         max_attempts: int | None = None,
         patience_s: float | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        """``verify``: httpx's, :meth:`shared.tls.Tls.verify` where a CA is configured."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s)
+        self._client = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s,
+                                         verify=verify)
         self._base_url = base_url
         self._max_attempts = max_attempts
         self._patience_s = patience_s
@@ -125,8 +129,11 @@ class Session:
         port = resp.headers.get(DATA_PORT_HEADER, "")
         data_url = None
         if port.isdigit() and 0 < int(port) < 65536:
-            host = resp.url.host  # the host this client reached the service by
-            data_url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+            # The host and scheme this client reached the service by: the data port serves
+            # TLS exactly when the REST port does.
+            host, scheme = resp.url.host, resp.url.scheme
+            data_url = (f"{scheme}://{host}:{port}" if ":" not in host
+                        else f"{scheme}://[{host}]:{port}")
         return manifest, data_url
 
     async def json(self, method: str, path: str, body: object = None) -> dict[str, Any]:

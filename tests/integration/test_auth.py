@@ -78,7 +78,8 @@ def test_a_service_beyond_loopback_refuses_to_start_open(
 ) -> None:
     """Bound beyond this machine (a DNS name binds every interface) with no token, a service
     would take anyone's requests: it exits before listening, naming the setting, with no
-    traceback. With the token the same bind serves."""
+    traceback. With the token but no TLS certificate it exits too (plain text stays on
+    loopback); with the token and RLBOOST_ALLOW_PLAINTEXT (TLS ends at a proxy) it serves."""
     env = {**os.environ, **brokers.env(), url_var: f"http://rlboost.invalid:{free_port()}",
            "RLBOOST_DATA_DIR": str(tmp_path / "data")}
     env.pop(token_var, None)
@@ -86,9 +87,14 @@ def test_a_service_beyond_loopback_refuses_to_start_open(
                           text=True, timeout=60)
     assert proc.returncode != 0
     assert token_var in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    port = free_port()  # the same bind, now with its token: it serves
+    proc = subprocess.run([sys.executable, "-m", module], env={**env, token_var: "t0ken"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "RLBOOST_TLS_CERT_FILE" in proc.stderr and "RLBOOST_ALLOW_PLAINTEXT" in proc.stderr
+    port = free_port()  # the same bind, with its token, plain text allowed: it serves
     env = {**brokers.env(), url_var: f"http://rlboost.invalid:{port}", token_var: "t0ken",
-           "RLBOOST_DATA_DIR": str(tmp_path / "data"), "RLBOOST_PARENT_PID": str(os.getpid())}
+           "RLBOOST_DATA_DIR": str(tmp_path / "data"), "RLBOOST_PARENT_PID": str(os.getpid()),
+           "RLBOOST_ALLOW_PLAINTEXT": "true"}
     child = start_http(module, module, env, f"http://127.0.0.1:{port}", tmp_path)
     child.signal(15)
     assert child.proc is not None and child.proc.wait(timeout=15) is not None

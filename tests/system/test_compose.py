@@ -6,10 +6,12 @@ read; every secret is required, never defaulted; only the intended ports are pub
 service has a healthcheck and a restart policy. Finally each service's ``command`` runs with its
 ``environment`` as a local process — the brokers too, from their compose command and nats.conf,
 so their credentials are the compose files' own — with compose hostnames (and RESERVED_HOST)
-mapped to loopback and container ports to free ones, and a short run goes through the REST API:
-once for the dev file, once for reserved.yml + spot.yml together. Test-only overrides, because
-here every process shares one host: data dirs, RLBOOST_METRICS_PORT=0, emu time scale 0.
-Where the docker client has compose, ``docker compose config -q`` must accept each file too.
+mapped to loopback and container ports to free ones, the certificates volume (/certs) to what
+``rlboost certs`` writes, and a short run goes through the REST API over TLS: once for the dev
+file, once for reserved.yml + spot.yml together. Every URL of every file is TLS. Test-only
+overrides, because here every process shares one host: data dirs, RLBOOST_METRICS_PORT=0, emu
+time scale 0. Where the docker client has compose, ``docker compose config -q`` must accept
+each file too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -28,6 +31,7 @@ import httpx
 import pytest
 import yaml
 
+from rlboost.certs import make_certs
 from rlboost.launcher import Child
 from rlboost.stack import server_binary
 from shared.identity import new_account_seed, public_key
@@ -138,10 +142,14 @@ def test_file_is_locked_down_and_uses_only_known_names(name: str) -> None:
             if key in env:  # every broker client logs in
                 assert re.match(r"\w+://[^:@/]*:[^@/]+@", env[key]), f"{svc_name}: {key} anonymous"
         if svc_name in NATS_USERS:
-            assert env["RLBOOST_NATS_URL"].startswith(f"nats://{NATS_USERS[svc_name]}:")
+            assert env["RLBOOST_NATS_URL"].startswith(f"tls://{NATS_USERS[svc_name]}:")
+            assert env["RLBOOST_TLS_CA_FILE"] == "/certs/ca.pem"
+            assert "./certs:/certs:ro" in svc["volumes"]
             held = {k for k in env if k.endswith("_TOKEN")}
             assert held == TOKENS[svc_name], (name, svc_name, held)
             assert ("RLBOOST_NATS_ISSUER_SEED" in env) == (svc_name == "manager")
+        urls = [v for k, v in env.items() if k.endswith("_URL") and "REDIS" not in k]
+        assert all(v.startswith(("tls://", "https://")) for v in urls), (svc_name, urls)
     published = {n: s["ports"] for n, s in services.items() if s.get("ports")}
     assert published == PUBLISHED[name]
     # No secret has a default: leaving any one out makes the file fail, as compose would.
@@ -170,7 +178,8 @@ def test_spot_peers_override_publishes_the_chunk_server_it_announces() -> None:
     rollout = load("spot-peers.yml", {**ENV, "SPOT_HOST": "10.0.0.9"})["services"]["rollout"]
     env = environment(rollout)
     assert set(env) <= known_names()
-    assert env["RLBOOST_PEER_URL"] == "http://10.0.0.9:8003"
+    assert env["RLBOOST_PEER_URL"] == "https://10.0.0.9:8003"
+    assert env["RLBOOST_TLS_CERT_FILE"] == "/certs/peer.pem"  # a name no service answers to
     assert rollout["ports"] == [f"{env['RLBOOST_PEER_PORT']}:8003"] == ["8003:8003"]
     assert env["RLBOOST_PEER_ADDR"] == "0.0.0.0"  # reachable through the published port
     dev = environment(load("docker-compose.yml", ENV)["services"]["rollout"])
@@ -199,12 +208,13 @@ def test_ha_override_is_a_three_node_cluster_and_two_managers() -> None:
     # The cluster config routes to exactly these nodes, logging in with the route password.
     cluster = (COMPOSE / "nats-cluster.conf").read_text()
     assert set(re.findall(r"nats://([\w-]+):6222", cluster)) == set(nodes)
-    assert "password: $NATS_CLUSTER_PASSWORD" in cluster and "include ./nats.conf" in cluster
+    assert "password: $NATS_CLUSTER_PASSWORD" in cluster and "include ./nats-tls.conf" in cluster
+    assert "verify: true" in cluster  # routes are mutual TLS
     assert "$NATS_SERVER_NAME" in cluster
     # Two managers with the manager's credentials and nothing more, the stream kept 3 times.
     second = environment(ha["manager-2"])
     assert set(second) <= known_names() | {"NATS_CLUSTER_PASSWORD"}
-    assert second["RLBOOST_NATS_URL"].startswith("nats://manager:")
+    assert second["RLBOOST_NATS_URL"].startswith("tls://manager:")
     assert {k for k in second if k.endswith("_TOKEN")} == TOKENS["manager"]
     assert "RLBOOST_NATS_ISSUER_SEED" in second and not ha["manager-2"].get("ports")
     assert second["RLBOOST_STREAM_REPLICAS"] == environment(ha["manager"])[
@@ -274,13 +284,16 @@ class Deployment:
 
     def __init__(self, root: Path, services: dict[str, dict[str, Any]]) -> None:
         self.root = root
+        self.certs = make_certs(root / "certs", [ENV["RESERVED_HOST"]]).directory
         self.services = services
         self.ports = {port: free_port() for port in BROKER_PORTS.values()}
         self.hosts = {*BROKER_PORTS, ENV["RESERVED_HOST"]}
         self.children: list[Child] = []
 
     def local(self, value: str) -> str:
-        """Compose hostnames and container ports -> loopback and this test's free ports."""
+        """Compose hostnames and container ports -> loopback and this test's free ports; the
+        certificates' volume -> this test's ``rlboost certs`` directory."""
+        value = re.sub(r"^/certs/", f"{self.certs}/", value)
         def swap(m: re.Match[str]) -> str:
             if m.group("host") not in self.hosts:
                 return m.group(0)
@@ -357,9 +370,10 @@ def deploy(tmp_path: Path) -> Iterator[Any]:
 
 
 def run_through(d: Deployment, kinds: dict[str, int]) -> None:
-    url = f"http://127.0.0.1:{d.ports[8000]}"
+    url = f"https://127.0.0.1:{d.ports[8000]}"
     auth = {"Authorization": f"Bearer {ENV['RLBOOST_API_TOKEN']}"}
-    with httpx.Client(base_url=url, headers=auth, timeout=10) as client:
+    ca = ssl.create_default_context(cafile=str(d.certs / "ca.pem"))
+    with httpx.Client(base_url=url, headers=auth, timeout=10, verify=ca) as client:
         for _ in range(300):
             try:
                 if client.get("/v1/runs").status_code == 200:
@@ -369,7 +383,8 @@ def run_through(d: Deployment, kinds: dict[str, int]) -> None:
             time.sleep(0.1)
         else:
             pytest.fail(f"manager did not come up:\n{d.logs()}")
-        assert httpx.get(f"{url}/v1/runs", timeout=5).status_code == 401  # the token is required
+        # The token is required.
+        assert httpx.get(f"{url}/v1/runs", timeout=5, verify=ca).status_code == 401
         run = client.post("/v1/runs", json=SPEC)
         assert run.status_code == 201, run.text
         final = wait_run(client, run.json()["id"], timeout_s=60)
@@ -401,7 +416,12 @@ def test_skypilot_task_is_a_recovering_spot_worker_pointing_at_reserved() -> Non
     assert all(v is None for v in task["secrets"].values())  # no credential ships in the file
     # A spot worker's credentials: the rollout NATS login and the weights read token, no more.
     assert set(task["secrets"]) == {"NATS_ROLLOUT_PASSWORD", "RLBOOST_WEIGHTS_READ_TOKEN"}
-    assert "nats://rollout:${NATS_ROLLOUT_PASSWORD}@" in task["run"]
+    assert "tls://rollout:${NATS_ROLLOUT_PASSWORD}@" in task["run"]
+    assert 'RLBOOST_WEIGHTS_URL="https://' in task["run"]
+    # Only the CA and the peer certificate travel to a spot machine, never a server's key.
+    shipped = {Path(v).name for v in task["file_mounts"].values()}
+    assert shipped == {"ca.pem", "peer.pem", "peer-key.pem"}
+    assert task["envs"]["RLBOOST_TLS_CA_FILE"] in task["file_mounts"]
     for var in ("RLBOOST_NATS_URL", "RLBOOST_WEIGHTS_URL"):
         assert f"export {var}=" in task["run"] and "${RESERVED_HOST}" in task["run"]
     assert "exec python3 -m rollout_svc" in task["run"]

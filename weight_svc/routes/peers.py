@@ -22,7 +22,7 @@ router = APIRouter(prefix=PREFIX)
 
 class PeerIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    url: str = Field(max_length=300)  # http://host:port of the peer's chunk server
+    url: str = Field(max_length=300)  # http(s)://host:port of the peer's chunk server
 
 
 @router.post("/{run_id}/{version}/peers")

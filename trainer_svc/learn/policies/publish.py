@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from shared.errors import WeightsError
+from shared.tls import Tls
 from shared.weights import (
     Manifest,
     commit_version,
@@ -51,12 +52,14 @@ class WeightsAccess:
 
     url: str
     token: str | None = field(default=None, repr=False)  # repr() never shows it in a log
+    tls: Tls = field(default_factory=Tls)  # the CA the service is verified with
 
 
 async def publish_whole(access: WeightsAccess, run_id: str, version: int,
                         hf_dir: Path) -> Manifest:
     """One process holds the whole directory: upload and commit it."""
-    return await upload_version(access.url, access.token, run_id, version, hf_dir)
+    return await upload_version(access.url, access.token, run_id, version, hf_dir,
+                                tls=access.tls)
 
 
 def own_files(hf_dir: Path, rank: int) -> list[Path]:
@@ -75,14 +78,15 @@ async def publish_from_ranks(access: WeightsAccess, run_id: str, version: int, h
                              device: torch.device, start: Callable[[], None]) -> Manifest:
     """Rank 0's part (module doc); ``start`` tells the other ranks to upload theirs."""
     files = model_files(hf_dir)
-    existing = await published(access.url, access.token, run_id, version, files)
+    existing = await published(access.url, access.token, run_id, version, files,
+                               tls=access.tls)
     if existing is not None:
         return existing
     start()
     error: BaseException | None = None
     try:
         await upload_files(access.url, access.token, run_id, version,
-                           [p for p in files if file_rank(p.name) == 0])
+                           [p for p in files if file_rank(p.name) == 0], tls=access.tls)
     except BaseException as exc:  # the others wait in the all-reduce below whatever happened
         error = exc
     everyone = await asyncio.to_thread(_all_uploaded, error is None, device)
@@ -91,7 +95,8 @@ async def publish_from_ranks(access: WeightsAccess, run_id: str, version: int, h
     if not everyone:
         raise WeightsError(f"{run_id}/{version}: a rank could not upload its shards; nothing "
                            "was committed")
-    manifest = await commit_version(access.url, access.token, run_id, version)
+    manifest = await commit_version(access.url, access.token, run_id, version,
+                                    tls=access.tls)
     log.info("%s/%d published from %d ranks: %d files, %d bytes", run_id, version,
              dist.get_world_size(), len(manifest["files"]),
              sum(f["size"] for f in manifest["files"]))
@@ -106,7 +111,8 @@ def upload_share(access: WeightsAccess | None, run_id: str, version: int, hf_dir
         if access is None:
             raise WeightsError("this rank was started without the weight service's address")
         files = own_files(hf_dir, rank)
-        asyncio.run(upload_files(access.url, access.token, run_id, version, files))
+        asyncio.run(upload_files(access.url, access.token, run_id, version, files,
+                                 tls=access.tls))
         log.info("rank %d uploaded %d files of %s/%d (%d bytes)", rank, len(files), run_id,
                  version, sum(p.stat().st_size for p in files))
         ok = True
