@@ -39,6 +39,7 @@ from manager_svc.events import InstanceEvents
 from manager_svc.ingest import ChunkIngest
 from manager_svc.leader import Leadership, replica_id
 from manager_svc.metrics import ManagerMetrics
+from manager_svc.quarantine import Quarantine
 from manager_svc.registry import Registry
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -137,8 +138,10 @@ class ManagerService:
                              cfg.redis_replica_acks)
         self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft, self.events,
                                  crash)
+        quarantine = Quarantine(redis, nc, self.ledger, self.runs, metrics, soft,
+                                cfg.quarantine_invalid, cfg.quarantine_ttl_s, cfg.unserved_fail_s)
         self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth,
-                                  ack_wait_s=cfg.lease_ttl_s)
+                                  ack_wait_s=cfg.lease_ttl_s, quarantine=quarantine)
         self.leader = Leadership(redis, Keys.dispatch_leader, self.replica, cfg.lease_ttl_s,
                                  metrics)
         self.dispatcher = Dispatcher(cfg, redis, nc, self.ledger, self.runs, self.registry,
