@@ -91,3 +91,7 @@ class ManagerMetrics:
             "cause (invalid entries, or an engine that cannot serve the run's model)",
             ["cause"], registry=self.registry,
         )
+        self.protocol_refused = Counter(
+            "rlboost_protocol_refused_total", "Heartbeats refused for another protocol version",
+            registry=self.registry,
+        )
