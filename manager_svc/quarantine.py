@@ -105,7 +105,11 @@ class Quarantine:
                               f"{why}", "invalid")
 
     async def impose(self, run_id: str, instance_id: str, reason: str, cause: str) -> bool:
-        """Give ``instance_id`` no more work in ``run_id``; whether it was not already so."""
+        """Give ``instance_id`` no more work in ``run_id``; whether it was not already so.
+        Only in a running run: a frame's subject names any run its sender likes, and keys of
+        a run that does not exist (or has ended) would never expire with it."""
+        if await self.r.hget(Keys.run(run_id), "state") != "running":
+            return False
         key = Keys.quarantined(run_id)
         pipe = self.r.pipeline(transaction=True)  # one key: one slot
         pipe.hsetnx(key, instance_id, reason)

@@ -127,6 +127,10 @@ async def test_garbage_past_the_threshold_quarantines_its_sender(
     # sixth bad entry quarantines i0; the two after it are counted all the same.
     await js.publish(subject, frame(mine, [VOCAB]))
     await js.publish(subject, frame(mine, [5], mac_key="00" * 32))
+    # Past the threshold too, on a subject naming a run that does not exist: counted, but no
+    # key of that run is written (it would never expire).
+    for _ in range(2):
+        await js.publish(names.chunk_subject("run-nope", "i0"), frame(mine, [5]))
     quarantine = Quarantine(p.redis, p.nc, p.ledger, p.runs, p.metrics, p.soft, after=AFTER)
     ingest = ChunkIngest(p.redis, p.nc, p.ledger, p.runs, p.metrics, p.soft, p.auth,
                          quarantine=quarantine)
@@ -140,11 +144,13 @@ async def test_garbage_past_the_threshold_quarantines_its_sender(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    # Logged as a sum per instance now and then, not a line per entry.
-    assert sum(r.getMessage().startswith("dropped ") for r in caplog.records) == 1
+    # Logged as a sum per instance (and run) now and then, not a line per entry.
+    assert sum(r.getMessage().startswith("dropped ") for r in caplog.records) == 2
     rejected = p.metrics.rejected_entries
     assert rejected.labels("vocabulary")._value.get() == 4
     assert rejected.labels("mac")._value.get() == 4
+    assert rejected.labels("run")._value.get() == 8
+    assert not await p.redis.exists(Keys.quarantined("run-nope"), Keys.run_warnings("run-nope"))
     assert p.metrics.quarantined.labels("invalid")._value.get() == 1
     reasons = await quarantine.reasons(run_id)
     assert reasons == {"i0": f"{AFTER} invalid entries, the last: bad MAC"}
