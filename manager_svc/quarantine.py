@@ -4,7 +4,7 @@ Contract: a quarantine is Redis data, a field of the run's ``Keys.quarantined`` 
 id -> reason) that expires ``ttl_s`` after the latest one was imposed: a restarted manager, or
 another replica, keeps skipping the instance. Imposing it revokes the instance's leases through
 the ledger (so fencing drops whatever it still sends for them), tells it to stop on them, and
-notes the reason among the run's warnings; the registry lists the instance as
+notes the reason among the run's warnings and events; the registry lists the instance as
 ``state: "quarantined"`` with its ``reason``, and the dispatcher leases it nothing.
 
 Two causes. Ingest :meth:`Quarantine.reject` counts every entry it drops before a commit (bad
@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 
 from manager_svc.accounting import Ledger
+from manager_svc.events import InstanceEvents
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -126,6 +127,7 @@ class Quarantine:
             await self.nc.publish(names.assign_subject(instance_id),
                                   encode(Revoke(request_ids=revoked)))
         await self.runs.warn(run_id, f"instance {instance_id} quarantined: {reason}")
+        await InstanceEvents(self.r, self.runs.archive).quarantined(run_id, instance_id, reason)
         self.soft.wake.set()  # its responses are pending again
         return True
 

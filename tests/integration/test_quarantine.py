@@ -161,6 +161,9 @@ async def test_garbage_past_the_threshold_quarantines_its_sender(
     assert sorted(r for t in told for r in t.request_ids) == rids[:4]
     warnings = await p.runs.warnings(run_id)
     assert warnings == [f"instance i0 quarantined: {reasons['i0']}"]
+    events = await p.registry.events.read(run_id)
+    assert [(e["type"], e["instance"], e["reason"]) for e in events
+            if e["type"] == "quarantine"] == [("quarantine", "i0", reasons["i0"])]
     listed = {i["id"]: i for i in await p.registry.instances()}
     assert (listed["i0"]["state"], listed["i0"]["reason"]) == ("quarantined", reasons["i0"])
     assert (listed["i1"]["state"], listed["i1"]["reason"]) == ("ready", None)
