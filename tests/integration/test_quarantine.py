@@ -91,6 +91,13 @@ def dispatcher(p: Parts, ingest: ChunkIngest) -> Dispatcher:
                       p.metrics, p.soft, CrashPoints("", p.tmp), None)  # type: ignore[arg-type]
 
 
+def screened(p: Parts, fail_s: float) -> tuple[Quarantine, Dispatcher]:
+    """A quarantine failing unserved runs after ``fail_s``, and a dispatcher using it."""
+    quarantine = Quarantine(p.redis, p.nc, p.ledger, p.runs, p.metrics, p.soft, fail_s=fail_s)
+    return quarantine, dispatcher(p, ChunkIngest(p.redis, p.nc, p.ledger, p.runs, p.metrics,
+                                                 p.soft, p.auth, quarantine=quarantine))
+
+
 def frame(leases: list[Assignment], ids: list[int], mac_key: str | None = None) -> bytes:
     """One frame of ``leases`` from i0, each entry ``ids`` at offset 0 and MAC'd under its own
     lease key (or under ``mac_key``: forged)."""
@@ -180,10 +187,7 @@ async def test_an_engine_that_cannot_serve_the_model_fails_a_run_only_it_could_s
     run_id = await running(p, RunSpec(model="tiny", prompts_per_step=1, samples_per_prompt=2),
                            1, 14)
     await beat(p, "e0", run_id, engine="emu")
-    quarantine = Quarantine(p.redis, p.nc, p.ledger, p.runs, p.metrics, p.soft, fail_s=0.5)
-    ingest = ChunkIngest(p.redis, p.nc, p.ledger, p.runs, p.metrics, p.soft, p.auth,
-                         quarantine=quarantine)
-    passes = dispatcher(p, ingest)
+    quarantine, passes = screened(p, 0.5)
     assert await passes.dispatch_once() == 0  # quarantined before it is leased anything
     why = "engine emu cannot serve model tiny"
     assert await quarantine.reasons(run_id) == {"e0": why}
@@ -206,13 +210,27 @@ async def test_a_healthy_instance_keeps_a_run_with_a_mismatched_one_going(parts:
                            1, 14)
     await beat(p, "e0", run_id, engine="emu")
     await beat(p, "t0", run_id, engine="torch")
-    quarantine = Quarantine(p.redis, p.nc, p.ledger, p.runs, p.metrics, p.soft, fail_s=0.1)
-    ingest = ChunkIngest(p.redis, p.nc, p.ledger, p.runs, p.metrics, p.soft, p.auth,
-                         quarantine=quarantine)
-    passes = dispatcher(p, ingest)
+    quarantine, passes = screened(p, 0.1)
     assert await passes.dispatch_once() == 2
     assert len(await p.redis.smembers(Keys.held(run_id, "t0"))) == 2
     await asyncio.sleep(0.2)
     await passes.dispatch_once()
     assert (await p.runs.get(run_id) or {})["state"] == "running"
     assert list(await quarantine.reasons(run_id)) == ["e0"]
+
+
+async def test_a_run_with_no_instance_at_all_says_so_and_waits(
+        parts: Parts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spot machines come and go: with none registered the run is not failed, but its record
+    says what it waits for (after NONE_WARN_S, 30 s; 0 here)."""
+    p = parts
+    monkeypatch.setattr("manager_svc.quarantine.NONE_WARN_S", 0.0)
+    run_id = await running(p, RunSpec(model="tiny", prompts_per_step=1, samples_per_prompt=2),
+                           1, 14)
+    _, passes = screened(p, 0.1)
+    for _ in range(3):
+        assert await passes.dispatch_once() == 0
+        await asyncio.sleep(0.1)
+    assert (await p.runs.get(run_id) or {})["state"] == "running"
+    assert await p.runs.warnings(run_id) == [
+        "no rollout instance is registered: the run waits for one"]
