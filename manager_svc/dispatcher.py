@@ -182,6 +182,9 @@ class Dispatcher:
         side generates everything (co-located)."""
         info, version = step.info, int(step.info["version"])
         everyone = await self.registry.instances(step.run_id)
+        # A quarantined instance is listed so, never ready: it gets nothing (quarantine.py).
+        await self.ingest.quarantine.screen(step.run_id, everyone)
+        await self.ingest.quarantine.watch(step.run_id, everyone)
         ready = [i for i in everyone if i["state"] == "ready" and i["run_id"] == step.run_id
                  and i["weight_version"] == version]
         mode = info.get("mode", "off")

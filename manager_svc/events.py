@@ -5,10 +5,11 @@ where the manager learns of it: a *join* is an instance's first heartbeat under 
 session while the run is active (instances already up when a run starts join it at its first
 beat), a *version* is a heartbeat reporting a newly loaded weight version of the run, a
 *leave* is a release (``reason`` preempt, shutdown or abort), a *death* is the reaper finding
-a heartbeat expired. Join and version are recorded by the heartbeat's own script
-(``lua/observe.lua`` inside ``lua/beat_run.lua``, :mod:`manager_svc.registry`), so a change
-is recorded once however beats interleave. Stream ids are Redis's clock in ms, so an
-event's time is its id; :meth:`InstanceEvents.read` pages by id. The stream is capped at
+a heartbeat expired, a *quarantine* an instance given no more work (``reason`` says why).
+Join and version are recorded by the heartbeat's own script (``lua/observe.lua`` inside
+``lua/beat_run.lua``, :mod:`manager_svc.registry`), so a change is recorded once however
+beats interleave. Stream ids are Redis's clock in ms, so an event's time is its id;
+:meth:`InstanceEvents.read` pages by id. The stream is capped at
 :data:`MAX_EVENTS` (trimmed approximately, oldest first): 1,000 steps of 100 instances each
 loading every version fit. When an ended run's stream expires, :meth:`InstanceEvents.read`
 pages the same events from its archive (:mod:`manager_svc.archive`). Events are for people
@@ -52,6 +53,13 @@ class InstanceEvents:
 
     async def died(self, run_id: str, instance_id: str) -> None:
         await self._add(run_id, {"type": "death", "instance": instance_id, "reason": "silent"})
+
+    async def quarantined(self, run_id: str, instance_id: str, reason: str) -> None:
+        """The instance gets no more work in the run (:mod:`manager_svc.quarantine`). It is
+        still up, so its join mark stays: its next beat is no new join."""
+        await self.redis.xadd(Keys.events(run_id), {
+            "type": "quarantine", "instance": instance_id, "reason": reason[:200]},
+            maxlen=MAX_EVENTS, approximate=True)
 
     async def _add(self, run_id: str, fields: dict[str, str], mark: str | None = None) -> None:
         pipe = self.redis.pipeline(transaction=True)

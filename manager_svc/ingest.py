@@ -11,11 +11,13 @@ frame is counted, logged and terminated (never redelivered), and so is a frame w
 is not its subject's. Within a frame, an entry that is forged (its MAC or run does not check
 out: :mod:`manager_svc.chunk_auth`; counted as the step's ``forged_chunks_rejected``) or has a
 negative offset or a token id outside the run's vocabulary (``invalid_chunks_dropped``) is
-dropped alone: no such entry reaches the commit script, the frame's others do. What a commit
-completed is announced by :mod:`manager_svc.announce` (group events, then the barrier of a
-completed step; the dispatcher calls :meth:`ChunkIngest.barrier` too, for a complete step whose
-barrier a killed manager never announced) before its frames are acked. How each part of this
-path came to be as it is, with the measurements, is in docs/ingest-history.md.
+dropped alone: no such entry reaches the commit script, the frame's others do; each is counted
+by reason, logged in a sum per instance now and then, and enough of them quarantine their sender
+(:mod:`manager_svc.quarantine`). What a commit completed is announced by
+:mod:`manager_svc.announce` (group events, then the barrier of a completed step; the dispatcher
+calls :meth:`ChunkIngest.barrier` too, for a complete step whose barrier a killed manager never
+announced) before its frames are acked. How each part of this path came to be as it is, with
+the measurements, is in docs/ingest-history.md.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from manager_svc.announce import Announcer
 from manager_svc.chunk_auth import ChunkAuth, invalid
 from manager_svc.commit_stream import PIPELINED, CommitStream
 from manager_svc.metrics import ManagerMetrics
+from manager_svc.quarantine import Quarantine
 from manager_svc.runs import RunStore
 from manager_svc.scripts import Call
 from manager_svc.soft_state import SoftState
@@ -116,7 +119,7 @@ class _Part:
 class ChunkIngest:
     def __init__(self, redis: aioredis.Redis, nc: Nats, ledger: Ledger, runs: RunStore,
                  metrics: ManagerMetrics, soft: SoftState, auth: ChunkAuth,
-                 ack_wait_s: float = 3.0) -> None:
+                 ack_wait_s: float = 3.0, quarantine: Quarantine | None = None) -> None:
         self.redis = redis
         # How long frames pulled by a manager that died stay with it before JetStream delivers
         # them again; the manager's lease TTL, so a restart stalls ingest no longer than a
@@ -130,6 +133,8 @@ class ChunkIngest:
         self.metrics = metrics
         self.soft = soft
         self.auth = auth
+        # Counts and logs what is dropped, and quarantines an instance that sends garbage.
+        self.quarantine = quarantine or Quarantine(redis, nc, ledger, runs, metrics, soft)
         self._vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size (0: unknown)
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self.in_flight = 0  # frames pulled and not yet acked or terminated
@@ -224,8 +229,9 @@ class ChunkIngest:
         self.metrics.chunks.labels(result).inc()
         if result == "forged":
             self.metrics.forged.inc()
-        log.warning("%s entry of %s as %s on %s: %s", result, entry.request_id[:100],
-                    frame.instance_id, subject[:120], why)
+        parts = subject.split(".")  # rlb.chunk.<run>.<instance>: who sent it, where
+        sender = parts[3] if len(parts) == 4 else frame.instance_id
+        await self.quarantine.reject(parts[2], sender, why, entry.request_id)
         if not names.valid_request_id(entry.request_id):  # forged: no step to count it in
             return
         run_id, step, _, _ = names.parse_request_id(entry.request_id)

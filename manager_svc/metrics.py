@@ -77,3 +77,21 @@ class ManagerMetrics:
             "rlboost_manager_dispatch_leader", "1 while this replica holds the dispatch lease",
             registry=self.registry,
         )
+        self._screening()
+
+    def _screening(self) -> None:
+        """What the manager refuses of instances: garbage entries, quarantines, versions."""
+        self.rejected_entries = Counter(
+            "rlboost_rejected_entries_total", "Frame entries dropped before any commit, by "
+            "reason (vocabulary, offset, partial_token, mac, run, instance)", ["reason"],
+            registry=self.registry,
+        )
+        self.quarantined = Counter(
+            "rlboost_instances_quarantined_total", "Instances given no more work in a run, by "
+            "cause (invalid entries, or an engine that cannot serve the run's model)",
+            ["cause"], registry=self.registry,
+        )
+        self.protocol_refused = Counter(
+            "rlboost_protocol_refused_total", "Heartbeats refused for another protocol version",
+            registry=self.registry,
+        )

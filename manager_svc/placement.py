@@ -27,10 +27,11 @@ def joined_in_time(everyone: Sequence[Instance], started_at: float) -> list[Inst
 
 
 def spot_count(everyone: Sequence[Mapping[str, Any]]) -> int:
-    """The spot capacity a step plans for: spot instances registered and not draining (one
-    that got its preemption notice is leaving). The seeding window is chosen, and followed
-    mid-window, on this count, by the manager and the simulator alike."""
-    return sum(1 for i in everyone if i["kind"] == "spot" and i["state"] != "draining")
+    """The spot capacity a step plans for: spot instances registered and neither draining
+    (one that got its preemption notice is leaving) nor quarantined. The seeding window is
+    chosen, and followed mid-window, on this count, by the manager and the simulator alike."""
+    return sum(1 for i in everyone
+               if i["kind"] == "spot" and i["state"] not in ("draining", "quarantined"))
 
 
 def spot_alive(everyone: Sequence[Mapping[str, Any]]) -> bool:

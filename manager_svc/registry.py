@@ -167,7 +167,8 @@ class Registry:
 
     async def instances(self, run_id: str | None = None) -> list[dict[str, Any]]:
         """Every live instance, with how many responses of ``run_id`` (by default the
-        active run) it holds."""
+        active run) it holds; one quarantined in that run is in state "quarantined", with
+        its ``reason`` (otherwise None)."""
         ids = sorted(await self.redis.smembers(Keys.instances))
         run_id = run_id or await self.redis.get(Keys.active)
         pipe = self.redis.pipeline(transaction=False)
@@ -175,7 +176,10 @@ class Registry:
             pipe.hgetall(Keys.instance(i))
         for i in ids if run_id else ():  # with no run on, nobody holds anything
             pipe.scard(Keys.held(run_id or "", i))
+        if run_id:
+            pipe.hgetall(Keys.quarantined(run_id))
         rows = await pipe.execute()
+        quarantined = rows.pop() if run_id else {}  # id -> why it gets no work (quarantine.py)
         counts = rows[len(ids):] or [0] * len(ids)
         out = []
         for i, info, held in zip(ids, rows[:len(ids)], counts, strict=True):
@@ -183,7 +187,9 @@ class Registry:
                 continue  # expired: the reaper will take its work back
             version = int(info.get("weight_version", -1))
             out.append({
-                "id": i, "kind": info.get("kind"), "state": info.get("state"),
+                "id": i, "kind": info.get("kind"),
+                "state": "quarantined" if i in quarantined else info.get("state"),
+                "reason": quarantined.get(i),
                 "engine": info.get("engine"), "run_id": info.get("run_id") or None,
                 "weight_version": None if version < 0 else version,
                 "capacity": int(info.get("capacity", 1)), "held": int(held),

@@ -39,10 +39,12 @@ from manager_svc.events import InstanceEvents
 from manager_svc.ingest import ChunkIngest
 from manager_svc.leader import Leadership, replica_id
 from manager_svc.metrics import ManagerMetrics
+from manager_svc.quarantine import Quarantine
 from manager_svc.registry import Registry
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
 from manager_svc.trainer_api import TrainerApi
+from manager_svc.version_gate import VersionGate
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
 from shared.config import ManagerConfig
@@ -107,7 +109,8 @@ class ManagerService:
         await ensure_chunk_stream(self.nc.jetstream(), self.cfg.stream_replicas)
         await self.runs.sweep()  # runs that ended as a manager died: archive, expire
         await self._serve(names.HEARTBEAT_ANY, Heartbeat, self.registry.on_heartbeat,
-                          owner=lambda hb: hb.instance_id, ordered=True)
+                          owner=lambda hb: hb.instance_id, ordered=True,
+                          refuse=VersionGate(self.metrics).refuse)
         await self._serve(names.RELEASE_ANY, Release, self.registry.on_release,
                           owner=lambda rel: rel.instance_id)
         await self._serve(names.TRAINER_POLL, TrainerPoll, self.trainer.on_poll)
@@ -138,8 +141,10 @@ class ManagerService:
                              cfg.redis_replica_acks)
         self.registry = Registry(cfg, redis, self.ledger, self.runs, metrics, soft, self.events,
                                  crash)
+        quarantine = Quarantine(redis, nc, self.ledger, self.runs, metrics, soft,
+                                cfg.quarantine_invalid, cfg.quarantine_ttl_s, cfg.unserved_fail_s)
         self.ingest = ChunkIngest(redis, nc, self.ledger, self.runs, metrics, soft, self.auth,
-                                  ack_wait_s=cfg.lease_ttl_s)
+                                  ack_wait_s=cfg.lease_ttl_s, quarantine=quarantine)
         self.leader = Leadership(redis, Keys.dispatch_leader, self.replica, cfg.lease_ttl_s,
                                  metrics)
         self.dispatcher = Dispatcher(cfg, redis, nc, self.ledger, self.runs, self.registry,
@@ -193,7 +198,9 @@ class ManagerService:
                 await asyncio.sleep(0.5)
 
     async def _serve(self, subject: str, kind: type[M], handler: Callable[[M], Awaitable[Any]],
-                     owner: Callable[[M], str] | None = None, ordered: bool = False) -> None:
+                     owner: Callable[[M], str] | None = None, ordered: bool = False,
+                     refuse: Callable[[bytes, str], msgspec.Struct | None] | None = None
+                     ) -> None:
         """Answer with ``handler`` one message at a time; ``ordered``, in order per instance
         subject but concurrently across instances (all in one queue, heartbeats came late and
         leases expired); the subject names the instance, so nothing is decoded to queue it.
@@ -201,7 +208,9 @@ class ManagerService:
         answered only on that instance's own inbox. The manager answers with its own
         permissions, so a reply subject of the sender's choosing (a JetStream API subject, or
         another instance's) would have the manager act for the sender: such a message is
-        dropped unanswered, and any other request is answered only on an ``_INBOX.`` subject."""
+        dropped unanswered, and any other request is answered only on an ``_INBOX.`` subject.
+        ``refuse`` sees each message (and its sender) before it is decoded: what it returns
+        is the answer, and the handler never runs (the heartbeat's protocol version gate)."""
         async def callback(msg: NatsMsg, after: asyncio.Task[None] | None = None) -> None:
             if after is not None:
                 await asyncio.wait([after])
@@ -212,24 +221,17 @@ class ManagerService:
                 if msg.reply and not answer:
                     raise ProtocolError(kind.__name__, f"reply subject {msg.reply[:80]!r} is "
                                         "not the sender's inbox")
-                request = decode(msg.data, kind)
-                if owner is not None and owner(request) != sender:
+                refusal = refuse(msg.data, sender) if refuse is not None else None
+                request = None if refusal is not None else decode(msg.data, kind)
+                if request is not None and owner is not None and owner(request) != sender:
                     raise ProtocolError(kind.__name__, "instance id differs from its subject's")
             except ProtocolError as exc:
                 self.metrics.malformed.labels(subject).inc()
                 log.warning("dropped %s", exc)
                 reply: msgspec.Struct = Ack(ok=False, detail=str(exc))
             else:
-                try:
-                    reply = await handler(request)
-                except RedisError as exc:  # Redis restarting: the sender should try again
-                    self.metrics.handler_errors.labels(subject).inc()
-                    log.warning("%s: state store unavailable (%s)", subject, exc)
-                    reply = Ack(ok=False, detail="state store unavailable", retryable=True)
-                except Exception as exc:
-                    self.metrics.handler_errors.labels(subject).inc()
-                    log.exception("handler for %s failed", subject)
-                    reply = Ack(ok=False, detail=f"manager error: {type(exc).__name__}")
+                reply = refusal or Ack(ok=False) if request is None else \
+                    await self._handle(subject, handler, request)
             if answer:
                 with contextlib.suppress(Exception):
                     await msg.respond(encode(reply))
@@ -243,3 +245,17 @@ class ManagerService:
         # One queue group: of several manager replicas, each request reaches exactly one.
         await self.nc.subscribe(subject, queue=SERVE_QUEUE,
                                 cb=spawn if ordered else callback)
+
+    async def _handle(self, subject: str, handler: Callable[[M], Awaitable[Any]],
+                      request: M) -> Any:
+        """``handler``'s answer to a decoded ``request``; a failure answers an Ack saying so."""
+        try:
+            return await handler(request)
+        except RedisError as exc:  # Redis restarting: the sender should try again
+            self.metrics.handler_errors.labels(subject).inc()
+            log.warning("%s: state store unavailable (%s)", subject, exc)
+            return Ack(ok=False, detail="state store unavailable", retryable=True)
+        except Exception as exc:
+            self.metrics.handler_errors.labels(subject).inc()
+            log.exception("handler for %s failed", subject)
+            return Ack(ok=False, detail=f"manager error: {type(exc).__name__}")

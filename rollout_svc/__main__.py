@@ -75,7 +75,11 @@ def main() -> None:
     if cfg.engine == "emu" and cfg.kind == "spot":
         # EMULATION of a spot VM's boot and engine start: it registers only after them.
         time.sleep(cfg.common.emu_time_scale * cfg.common.emu_start_s)
-    asyncio.run(serve(build(cfg)))
+    services = build(cfg)
+    asyncio.run(serve(services))
+    refused = next((s.refused for s in services if s.refused), None)
+    if refused:  # e.g. an image of another protocol version: restarting it cannot help
+        raise SystemExit(f"refused by the manager: {refused}")
 
 
 if __name__ == "__main__":

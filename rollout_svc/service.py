@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from rollout_svc.engines import Engine, EngineError, GenRequest
 from rollout_svc.notice import NoticePoller
 from shared import names
-from shared.bus import connect_nats, request
+from shared.bus import connect_nats, request, request_bytes
 from shared.config import RolloutConfig
 from shared.errors import ProtocolError, RlboostError
 from shared.identity import new_user_seed
@@ -42,13 +42,14 @@ from shared.protocol import (
     Assignment,
     FrameEntry,
     Heartbeat,
-    HeartbeatReply,
     Held,
+    Refused,
     Release,
     Revoke,
     TokenFrame,
     WeightsAnnounce,
     decode,
+    decode_beat_reply,
     decode_command,
     encode,
 )
@@ -122,6 +123,7 @@ class RolloutService:
         self.metrics = RolloutMetrics()
         self.metrics_port = 0
         self.session = secrets.token_hex(8)
+        self.refused: str | None = None  # why the manager refused this instance, if it did
         self._nkey_seed = new_user_seed()  # this process's NATS identity, never written down
         self.nc: Nats
         self.js: JetStreamContext
@@ -207,12 +209,17 @@ class RolloutService:
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
-                reply = await request(
+                reply = decode_beat_reply(await request_bytes(
                     self.nc, names.heartbeat_subject(self.cfg.instance_id), self._heartbeat(),
-                    HeartbeatReply, timeout_s=max(1.0, self.cfg.heartbeat_s * 2))
+                    timeout_s=max(1.0, self.cfg.heartbeat_s * 2)))
             except (RlboostError, ProtocolError) as exc:
                 log.debug("heartbeat: %s", exc)
             else:
+                if isinstance(reply, Refused):  # another protocol version: this image is stale
+                    self.refused = reply.detail
+                    log.error("the manager refused this instance: %s", reply.detail)
+                    self.notice("shutdown")
+                    return
                 for rid in reply.revoke:
                     self.finished.pop(rid, None)
                     if self.inflight.pop(rid, None) is not None:

@@ -157,13 +157,19 @@ async def request(
     nc: Nats, subject: str, msg: msgspec.Struct, reply_type: type[R], timeout_s: float = 2.0
 ) -> R:
     """Send ``msg`` and decode the typed reply; no reply in time is a :class:`PeerTimeout`."""
+    return decode_reply(subject, await request_bytes(nc, subject, msg, timeout_s), reply_type)
+
+
+async def request_bytes(nc: Nats, subject: str, msg: msgspec.Struct, timeout_s: float = 2.0
+                        ) -> bytes:
+    """Send ``msg``; the reply as it came (for a caller that reads it leniently first)."""
     try:
         reply = await nc.request(subject, encode(msg), timeout=timeout_s)
     except (TimeoutError, NatsTimeout, NoRespondersError):
         raise PeerTimeout(subject, timeout_s) from None
     except NatsError as exc:  # disconnected, reconnecting, closed: the bus will come back
         raise PeerTimeout(f"{subject} ({type(exc).__name__})", timeout_s) from None
-    return decode_reply(subject, reply.data, reply_type)
+    return bytes(reply.data)
 
 
 def decode_reply(subject: str, data: bytes, reply_type: type[R]) -> R:

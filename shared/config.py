@@ -190,6 +190,17 @@ class ManagerConfig(Settings):
     max_queued_runs: int = setting(
         "RLBOOST_MAX_QUEUED_RUNS", 100, "POST /v1/runs past this many queued runs is refused "
         "with 429", ge=1)
+    quarantine_invalid: int = setting(
+        "RLBOOST_QUARANTINE_INVALID", 16, "an instance that sends this many invalid or forged "
+        "frame entries in a run is quarantined: its leases revoked, no more work in the run "
+        "(0 = never)", ge=0)
+    quarantine_ttl_s: float = setting(
+        "RLBOOST_QUARANTINE_TTL_S", 3600.0, "a run's quarantines last this long after its "
+        "latest one (state in Redis, kept across manager restarts)", ge=1.0)
+    unserved_fail_s: float = setting(
+        "RLBOOST_UNSERVED_FAIL_S", 60.0, "a run with work to do whose every live instance is "
+        "quarantined (e.g. an emu engine on a non-emu model) for this long fails, its error "
+        "naming why", ge=0.1)
     # A test hook, never set in production: fault tests place a manager crash inside one
     # multi-key change (step creation, the seeding hand-off) to show it completes on restart.
     crash_points: str = setting(

@@ -217,6 +217,11 @@ class Keys:
         return Keys.run(run_id) + ":warnings"
 
     @staticmethod
+    def quarantined(run_id: str) -> str:
+        """Hash instance id -> why it gets no more work in the run (with a TTL of its own)."""
+        return Keys.run(run_id) + ":quarantined"
+
+    @staticmethod
     def events(run_id: str) -> str:
         """Capped stream of the run's instance events: join, version, leave, death."""
         return f"{PREFIX}:events:{tag(run_id)}"

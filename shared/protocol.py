@@ -24,6 +24,11 @@ from shared.errors import ProtocolError
 from shared.names import INSTANCE_ID_MAX, INSTANCE_ID_PATTERN, REQUEST_ID_PATTERN
 from shared.spec import RunSpec
 
+# The version of this module's messages. An instance speaking another one is refused at its
+# first heartbeat with both versions named (:class:`Refused`), not dropped beat by beat as
+# malformed. Raise it with any change an older peer cannot decode.
+PROTOCOL_VERSION = 1
+
 InstanceKind = Literal["reserved", "spot"]
 InstanceState = Literal["starting", "loading", "ready", "draining"]
 FinishReason = Literal["stop", "length"]
@@ -87,6 +92,7 @@ class Heartbeat(Msg):
     # Random per process start: a beat that was in flight when this process released its
     # work must not re-register it, while a restart under the same id must be let in.
     session: str = ""
+    protocol: int = PROTOCOL_VERSION  # the sender's PROTOCOL_VERSION (absent: 0, before it)
 
 
 class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -97,6 +103,14 @@ class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class HeartbeatReply(Msg):
     target: Target | None = None  # the version to load now, if any
     revoke: list[str] = []  # request ids the instance must stop generating (lease lost)
+
+
+class Refused(Msg):
+    """The answer to a heartbeat in another protocol version: the instance must not serve.
+    Tagged and tiny, so that any version reads it (:func:`decode_beat_reply`)."""
+
+    detail: str  # why, both versions named
+    protocol: int = PROTOCOL_VERSION  # the manager's version
 
 
 class Assignment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -408,6 +422,38 @@ def decode(data: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(kind.__name__, str(exc)) from exc
+
+
+class _Versioned(msgspec.Struct):
+    """What any version of a heartbeat or its reply carries, read leniently (unknown fields
+    and the tag ignored): its type and its protocol version, 0 where it predates them."""
+
+    type: str = ""
+    protocol: int = 0
+    detail: str = ""
+    instance_id: str = ""
+
+
+def peek_version(data: bytes) -> int | None:
+    """The protocol version a heartbeat declares (0: none), read before any strict decode;
+    None if it is no heartbeat of any version (not an object naming its instance)."""
+    try:
+        peek = msgspec.json.decode(data, type=_Versioned)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return peek.protocol if peek.instance_id else None
+
+
+def decode_beat_reply(data: bytes) -> HeartbeatReply | Refused:
+    """A heartbeat's answer; a refusal is read leniently, so a manager of any later version
+    can still say why it refuses this instance."""
+    try:
+        peek = msgspec.json.decode(data, type=_Versioned)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError("HeartbeatReply", str(exc)) from exc
+    if peek.type == "Refused":
+        return Refused(detail=peek.detail, protocol=peek.protocol)
+    return decode(data, HeartbeatReply)
 
 
 def decode_command(data: bytes) -> Assign | Revoke:

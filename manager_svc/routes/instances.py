@@ -15,4 +15,8 @@ router = APIRouter()
 
 @router.get("/v1/instances")
 async def instances(service: Service) -> list[dict[str, Any]]:
+    """Each live instance: ``id``, ``kind``, ``engine``, ``state`` (starting, loading, ready,
+    draining, or quarantined in the active run), ``reason`` (why it is quarantined, else
+    null), ``run_id`` and ``weight_version`` loaded, ``capacity``, ``held`` (responses of the
+    active run it holds), ``pid``, ``metrics_port``, ``last_seen``, ``joined_at``."""
     return await service.registry.instances()

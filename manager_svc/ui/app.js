@@ -353,7 +353,8 @@ function onEvents(events) {
   for (const e of events) {
     let inst = state.instances.get(e.instance);
     if (!inst) {
-      inst = { id: e.instance, kind: e.kind || "spot", joins: 0, version: null, last: "", alive: false, spans: [] };
+      inst = { id: e.instance, kind: e.kind || "spot", joins: 0, version: null, last: "", alive: false, spans: [],
+               quarantined: null };
       state.instances.set(e.instance, inst);
     }
     if (e.kind) inst.kind = e.kind;
@@ -371,8 +372,10 @@ function onEvents(events) {
       inst.alive = false;
     }
     if (e.version !== null && e.version !== undefined) inst.version = e.version;
+    if (e.type === "quarantine") inst.quarantined = e.reason; // no more work in this run
     inst.last = e.type === "leave" ? `${FATE[e.reason] || "left"} ${fmtClock(e.t)}`
-      : e.type === "death" ? `died ${fmtClock(e.t)}` : `${e.type} ${fmtClock(e.t)}`;
+      : e.type === "death" ? `died ${fmtClock(e.t)}`
+      : e.type === "quarantine" ? `quarantined ${fmtClock(e.t)}: ${e.reason}` : `${e.type} ${fmtClock(e.t)}`;
     touched.add(inst);
   }
   for (const inst of touched) instanceRow(inst);
@@ -387,7 +390,8 @@ function fmtClock(t) {
 
 function instanceRow(inst) {
   const fates = inst.spans.map((s) => s.fate).filter(Boolean);
-  const row = el("tr", { dataset: { instance: inst.id, kind: inst.kind, fate: fates.join(" ") || "alive" } },
+  const fate = [...fates, ...(inst.quarantined ? ["quarantined"] : [])].join(" ") || "alive";
+  const row = el("tr", { dataset: { instance: inst.id, kind: inst.kind, fate } },
     el("td", {}, inst.id), el("td", {}, inst.kind), el("td", { class: "num" }, inst.joins),
     el("td", { class: "num" }, inst.version ?? ""), el("td", {}, inst.last));
   const old = document.querySelector(`#inst-body tr[data-instance="${CSS.escape(inst.id)}"]`);

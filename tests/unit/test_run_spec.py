@@ -8,9 +8,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from rollout_svc.engines.emu_models import SERVING
 from shared.errors import ProtocolError
 from shared.protocol import decode
-from shared.spec import RunSpec
+from shared.spec import RunSpec, engine_mismatch
+from trainer_svc.learn.compute_model import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,3 +73,13 @@ def test_the_shipped_example_spec_is_valid_and_its_files_exist() -> None:
     assert run.model == "tiny-chat" and run.reward_name == "math" and run.eval is not None
     assert run.dataset is not None and (ROOT / run.dataset.path).is_file()
     assert (ROOT / run.eval.path).is_file()
+
+
+def test_only_the_emu_engine_serves_an_emu_preset_and_it_serves_nothing_else() -> None:
+    for preset in {*PRESETS, *SERVING}:  # every name the trainer or the emu engine knows
+        assert engine_mismatch("emu", preset) is None
+        for engine in ("torch", "sglang"):
+            assert engine_mismatch(engine, preset) == f"engine {engine} cannot serve model {preset}"
+    for model in ("tiny", "tiny-chat", "/models/qwen", "emulator-7b"):
+        assert engine_mismatch("emu", model) == f"engine emu cannot serve model {model}"
+        assert engine_mismatch("torch", model) is None and engine_mismatch("sglang", model) is None
