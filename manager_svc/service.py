@@ -102,8 +102,13 @@ class ManagerService:
         self._wire()
         seed, password = reveal(self.cfg.issuer_seed), reveal(self.cfg.rollout_password)
         if seed is not None and password is not None:
-            await AuthCallout(self.nc, self.redis, seed, password, self.metrics).start()
-        await ensure_chunk_stream(self.nc.jetstream(), self.cfg.stream_replicas)
+            # Spot first: were both passwords the same, a login would be the lesser kind.
+            kinds = {"spot": password,
+                     "reserved": reveal(self.cfg.rollout_reserved_password) or ""}
+            await AuthCallout(self.nc, self.redis, seed, kinds, self.metrics,
+                              self.cfg.max_instances_per_credential).start()
+        await ensure_chunk_stream(self.nc.jetstream(), self.cfg.stream_replicas,
+                                  self.cfg.stream_max_bytes)
         await self.runs.sweep()  # runs that ended as a manager died: archive, expire
         await self._serve(names.HEARTBEAT_ANY, Heartbeat, self.registry.on_heartbeat,
                           owner=lambda hb: hb.instance_id, ordered=True)
