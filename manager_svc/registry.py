@@ -222,10 +222,14 @@ class Registry:
             pipe = self.redis.pipeline(transaction=False)
             for held in rel.held:
                 pipe.hmget(Keys.request(held.request_id), ["n", "epoch", "done"])
+                pipe.get(Keys.lease(held.request_id))
             rows = await pipe.execute()
-            behind = [h for h, (n, epoch, done) in zip(rel.held, rows, strict=True)
+            # Only for the sender's own leases: a release naming another's, with a count
+            # published that is never reached, would hold its handler for the whole wait.
+            behind = [h for h, (n, epoch, done), owner
+                      in zip(rel.held, rows[::2], rows[1::2], strict=True)
                       if n is not None and done != "1" and epoch == str(h.epoch)
-                      and int(n) < h.published]
+                      and owner == f"{rel.instance_id}:{h.epoch}" and int(n) < h.published]
             if not behind:
                 return
             await asyncio.sleep(0.02)

@@ -123,8 +123,10 @@ class ManagerService:
         await self.runs.sweep()  # runs that ended as a manager died: archive, expire
         await self._serve(names.HEARTBEAT_ANY, Heartbeat, self.registry.on_heartbeat,
                           owner=lambda hb: hb.instance_id, ordered=True)
+        # Ordered too: a release may wait seconds for its last commits, and one at a time for
+        # every instance, a flood of releases from one id held up everyone's hand-back.
         await self._serve(names.RELEASE_ANY, Release, self.registry.on_release,
-                          owner=lambda rel: rel.instance_id)
+                          owner=lambda rel: rel.instance_id, ordered=True)
         await self._serve(names.TRAINER_POLL, TrainerPoll, self.trainer.on_poll)
         await self._serve(names.TRAINER_START, StepStart, self.trainer.on_step_start)
         await self._serve(names.TRAINER_SAMPLES, StepSamplesQuery, self.trainer.on_samples)
@@ -220,7 +222,7 @@ class ManagerService:
         async def callback(msg: NatsMsg, after: asyncio.Task[None] | None = None) -> None:
             if after is not None:
                 await asyncio.wait([after])
-                self._waiting.discard(names.subject_instance(msg.subject))
+                self._waiting.discard(msg.subject)
             sender = names.subject_instance(msg.subject) if owner is not None else ""
             answer = bool(msg.reply) and (names.is_own_inbox(sender, msg.reply) if sender
                                           else msg.reply.startswith(names.INBOX + "."))
@@ -259,11 +261,12 @@ class ManagerService:
 
     def _spawn(self, msg: NatsMsg, callback: Callable[[NatsMsg, asyncio.Task[None] | None],
                                                       Coroutine[Any, Any, None]]) -> None:
-        """Start ``callback`` on ``msg`` after the handler of the same instance before it.
-        One waits per instance at most: a newer beat while one waits is shed (the waiting one
-        renews the same leases), so a flood costs two tasks, not one each; and past
-        MAX_HANDLERS in all, any is. Shed requests go unanswered and are counted."""
-        tag = names.subject_instance(msg.subject)
+        """Start ``callback`` on ``msg`` after the handler of the same subject (one instance's
+        beats, or its releases) before it. One waits per subject at most: a newer beat while
+        one waits is shed (the waiting one renews the same leases), so a flood costs two
+        tasks, not one each; and past MAX_HANDLERS in all, any is. Shed requests go unanswered
+        and are counted."""
+        tag = msg.subject
         shed = "pending" if tag in self._waiting else \
             "busy" if self._handlers >= MAX_HANDLERS else None
         if shed is not None:
