@@ -3,15 +3,20 @@
 Contract: with RLBOOST_NATS_ISSUER_SEED set, the manager answers the NATS server's
 authorization requests (``$SYS.REQ.USER.AUTH``, a queue group, so manager replicas share them).
 Every login that is not one of the config's static users (manager, trainer) arrives here. It is
-granted only if (1) it carries the rollout password (NATS_ROLLOUT_PASSWORD, as nats-py's token
-or as user ``rollout``'s password), (2) its connection name is a valid instance id, (3) it sent
-a public user nkey and that key's signature of the server's nonce checks out, and (4) no other
-key holds that instance id: the id is bound to the key in Redis (``Keys.identity``) for as long
-as the instance lives (each heartbeat renews it; a release or silence ends it), so a second
-process cannot claim a live instance's id. The user JWT it issues allows exactly the subjects
-of :func:`shared.names.rollout_permissions` for that one id. A refusal is answered with the
-reason (the server logs it; the client sees an authorization violation) and counted; nothing
-about a credential is logged.
+granted only if (1) it carries a rollout password (as nats-py's token or as user ``rollout``'s
+password): NATS_ROLLOUT_PASSWORD makes it a spot instance, NATS_ROLLOUT_RESERVED_PASSWORD a
+reserved one, (2) its connection name is a valid instance id, (3) it sent a public user nkey
+and that key's signature of the server's nonce checks out, (4) no other key holds that instance
+id, and (5) its credential holds fewer live ids than the cap. The id is bound to the key and
+the credential's kind in Redis (``Keys.identity``) for as long as the instance lives (each
+heartbeat renews it; a release or silence ends it), so a second process cannot claim a live
+instance's id (a takeover is refused, not granted by cutting the older connection: the callout
+has no system account to cut connections with, and granting would let any rollout credential
+cut any instance off), and the registry takes the kind from it rather than from heartbeats.
+The user JWT it issues allows exactly the subjects of :func:`shared.names.rollout_permissions`
+for that one id, with bounded payload, subscriptions and data. A refusal is answered with the
+reason (the server logs it; the client sees an authorization violation), counted and logged
+rate-limited; nothing about a credential is logged.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from redis.exceptions import RedisError
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.scripts import register
 from shared import identity, names
+from shared.logs import Throttled
 from shared.names import Keys
 
 log = logging.getLogger("manager")
@@ -38,14 +44,18 @@ BIND_TTL_MS = 10_000
 
 
 class AuthCallout:
-    def __init__(self, nc: Nats, redis: aioredis.Redis, issuer_seed: str, rollout_password: str,
-                 metrics: ManagerMetrics) -> None:
+    def __init__(self, nc: Nats, redis: aioredis.Redis, issuer_seed: str,
+                 passwords: dict[str, str], metrics: ManagerMetrics,
+                 max_instances: int = 1024) -> None:
+        """``passwords``: instance kind -> the rollout password that logs in as that kind."""
         self.nc = nc
         self.redis = redis
         self._seed = issuer_seed
-        self._password = rollout_password.encode()
+        self._passwords = {kind: pw.encode() for kind, pw in passwords.items() if pw}
+        self.max_instances = max_instances
         self.metrics = metrics
         self._bind = register(redis, "bind_identity.lua")
+        self._refusals = Throttled(log)
 
     async def start(self) -> None:
         await self.nc.subscribe(names.AUTH_CALLOUT, queue=QUEUE, cb=self._on_request)
@@ -74,21 +84,28 @@ class AuthCallout:
         else:
             reply = identity.authorization_response(self._seed, request, None, refusal)
             self.metrics.logins.labels("refused").inc()
-            log.warning("NATS login as %r refused: %s", request.name[:80], refusal)
+            self._refusals.warning("NATS login as %r refused: %s", request.name[:80], refusal)
         await msg.respond(reply.encode())
 
     async def check(self, request: identity.AuthRequest) -> str | None:
         """Why this login is refused, or None to grant it."""
-        given = request.token or (request.password if request.user == ROLLOUT_USER else "")
-        if not hmac.compare_digest(given.encode(), self._password):
+        given = (request.token or (request.password if request.user == ROLLOUT_USER else "")
+                 ).encode()
+        # Every password compared, so the time taken says nothing about which one matched.
+        kinds = [kind for kind, pw in self._passwords.items() if hmac.compare_digest(given, pw)]
+        if not kinds:
             return "wrong or missing rollout credentials"
         if not names.valid_instance_id(request.name):
             return "the connection name must be the instance id"
         if not request.nkey or not identity.nonce_signed_by(request.nkey, request.nonce,
                                                              request.signature):
             return "no valid nkey signature of the nonce"
-        bound = await self._bind(keys=[Keys.identity(request.name)],
-                                 args=[request.nkey, BIND_TTL_MS])
-        if not bound:
+        bound = await self._bind(
+            keys=[Keys.identity(request.name), Keys.credential_ids(kinds[0])],
+            args=[f"{kinds[0]}:{request.nkey}", BIND_TTL_MS, self.max_instances, request.name,
+                  Keys.identity("")])
+        if bound == 0:
             return f"instance id {request.name} is held by another process"
+        if bound == -1:
+            return f"this credential holds {self.max_instances} live instances already"
         return None

@@ -18,10 +18,16 @@ outside the run's vocabulary.
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
+from collections import Counter
 
 import redis.asyncio as aioredis
 
+from manager_svc.metrics import ManagerMetrics
+from manager_svc.scripts import Call, register, run_batch
+from shared import names
+from shared.logs import Throttled
 from shared.mac import entry_digest
 from shared.names import Keys
 from shared.protocol import TOKEN_WIDTH, FrameEntry, TokenFrame
@@ -29,6 +35,8 @@ from shared.protocol import TOKEN_WIDTH, FrameEntry, TokenFrame
 # Lease keys remembered: a lease's entries arrive every flush for the whole response, and
 # deriving its key again each time was a second HMAC per entry on the ingest path.
 KEY_CACHE = 1 << 16
+LOG_EVERY_S = 10.0  # at most one line per kind of dropped entry this often
+log = logging.getLogger("manager")
 
 
 class ChunkAuth:
@@ -94,3 +102,35 @@ def invalid(entry: FrameEntry, vocab_size: int, ids: list[int]) -> str | None:
     if vocab_size > 0 and ids and max(ids) >= vocab_size:
         return f"token id outside the vocabulary of {vocab_size}"
     return None
+
+
+class Rejections:
+    """Entries ingest drops (forged or invalid), counted and logged without a Redis round trip
+    each: a hostile instance can send them as fast as it likes, and ingest is one loop. The
+    metrics count each at once; one warning line per kind per LOG_EVERY_S (with how many it
+    held back); a step's record counts them in one pipelined call per checked slice
+    (:meth:`flush`), and only for a step that exists (a forged id must not create a key)."""
+
+    def __init__(self, redis: aioredis.Redis, metrics: ManagerMetrics) -> None:
+        self.redis = redis
+        self.metrics = metrics
+        self._count = register(redis, "count_if_exists.lua")
+        self._due: Counter[tuple[str, str]] = Counter()  # (step key, field) -> entries
+        self._logs = {"forged": Throttled(log, LOG_EVERY_S), "invalid": Throttled(log, LOG_EVERY_S)}
+
+    def add(self, frame: TokenFrame, entry: FrameEntry, subject: str, result: str,
+            why: str) -> None:
+        self.metrics.chunks.labels(result).inc()
+        if result == "forged":
+            self.metrics.forged.inc()
+        self._logs[result].warning("%s entry of %s as %s on %s: %s", result,
+                                   entry.request_id[:100], frame.instance_id, subject[:120], why)
+        if names.valid_request_id(entry.request_id):  # forged: perhaps no step to count it in
+            run_id, step, _, _ = names.parse_request_id(entry.request_id)
+            field = "forged_chunks_rejected" if result == "forged" else "invalid_chunks_dropped"
+            self._due[(Keys.step(run_id, step), field)] += 1
+
+    async def flush(self) -> None:
+        due, self._due = self._due, Counter()
+        await run_batch(self.redis, [Call(self._count, [key], [field, n])
+                                     for (key, field), n in due.items()])

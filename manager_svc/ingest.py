@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 
 from manager_svc.accounting import COMMIT_SLICE, Ledger, commit_statuses
 from manager_svc.announce import Announcer
-from manager_svc.chunk_auth import ChunkAuth, invalid
+from manager_svc.chunk_auth import ChunkAuth, Rejections, invalid
 from manager_svc.commit_stream import PIPELINED, CommitStream
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.quarantine import Quarantine
@@ -135,6 +135,7 @@ class ChunkIngest:
         self.auth = auth
         # Counts and logs what is dropped, and quarantines an instance that sends garbage.
         self.quarantine = quarantine or Quarantine(redis, nc, ledger, runs, metrics, soft)
+        self.rejects = Rejections(redis, metrics)
         self._vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size (0: unknown)
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self.in_flight = 0  # frames pulled and not yet acked or terminated
@@ -216,6 +217,7 @@ class ChunkIngest:
                 frames.append(frame)
                 texts.append(kept_texts)
                 entries += len(kept)
+        await self.rejects.flush()  # one round trip for every entry dropped above
         part.frames += frames
         part.entries += entries
         part.calls += self.ledger.pack(frames, texts)
@@ -226,19 +228,10 @@ class ChunkIngest:
 
     async def _reject(self, frame: TokenFrame, entry: FrameEntry, subject: str, result: str,
                       why: str) -> None:
-        self.metrics.chunks.labels(result).inc()
-        if result == "forged":
-            self.metrics.forged.inc()
+        self.rejects.add(frame, entry, subject, result, why)  # counted in Redis by check()
         parts = subject.split(".")  # rlb.chunk.<run>.<instance>: who sent it, where
         sender = parts[3] if len(parts) == 4 else frame.instance_id
         await self.quarantine.reject(parts[2], sender, why, entry.request_id)
-        if not names.valid_request_id(entry.request_id):  # forged: no step to count it in
-            return
-        run_id, step, _, _ = names.parse_request_id(entry.request_id)
-        skey = Keys.step(run_id, step)
-        counter = "forged_chunks_rejected" if result == "forged" else "invalid_chunks_dropped"
-        if await self.redis.exists(skey):  # never a key for a step that does not exist
-            await self.redis.hincrby(skey, counter, 1)
 
     async def _vocab_size(self, scope: str) -> int:
         """The vocabulary size of step ``scope`` ("<run>:<step>"), read once per step."""

@@ -45,6 +45,15 @@ class ManagerMetrics:
             "Leases a release named that its sender did not hold: refused, the holder keeps them",
             registry=self.registry,
         )
+        self.kind_refused = Counter(
+            "rlboost_kind_claims_refused_total", "Heartbeats claiming reserved from a spot "
+            "rollout credential: served as spot", registry=self.registry,
+        )
+        self.shed = Counter(
+            "rlboost_bus_messages_shed_total", "Bus requests dropped unanswered: another from "
+            "the same instance already waiting (pending), or too many handlers running (busy)",
+            ["reason"], registry=self.registry,
+        )
         # Series at zero from the start, so a dashboard's rate() has them before the first loss.
         for reason in ("preempt", "shutdown", "dead", "expired", "lost"):
             self.revocations.labels(reason)

@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from manager_svc.accounting import Ledger
@@ -30,6 +31,7 @@ from manager_svc.runs import RunStore
 from manager_svc.scripts import Call, register, run_batch
 from manager_svc.soft_state import SoftState
 from shared.config import ManagerConfig
+from shared.logs import Throttled
 from shared.names import Keys
 from shared.protocol import Ack, Heartbeat, HeartbeatReply, Release, Target
 
@@ -56,8 +58,24 @@ class Registry:
         self.crash = crash
         self._beat = register(redis, "beat.lua")
         self._beat_run = register(redis, "beat_run.lua")
+        self._claims = Throttled(log)
+
+    async def _credential_kind(self, hb: Heartbeat) -> Heartbeat:
+        """``hb`` with the kind its sender's credential gives it: with the auth callout on, a
+        beat may claim ``reserved`` only from a reserved login (Keys.identity, bound by the
+        callout); any other claim is served as spot, counted and logged (rate-limited)."""
+        if hb.kind == "spot" or self.cfg.issuer_seed is None:
+            return hb
+        bound = await self.redis.get(Keys.identity(hb.instance_id))
+        if bound is not None and str(bound).startswith("reserved:"):
+            return hb
+        self.metrics.kind_refused.inc()
+        self._claims.warning("instance %s claims to be reserved with a spot credential: "
+                             "served as spot", hb.instance_id)
+        return msgspec.structs.replace(hb, kind="spot")
 
     async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
+        hb = await self._credential_kind(hb)
         version = -1 if hb.weight_version is None else hb.weight_version
         fields = {
             "id": hb.instance_id, "kind": hb.kind, "engine": hb.engine, "state": hb.state,
@@ -210,10 +228,14 @@ class Registry:
             pipe = self.redis.pipeline(transaction=False)
             for held in rel.held:
                 pipe.hmget(Keys.request(held.request_id), ["n", "epoch", "done"])
+                pipe.get(Keys.lease(held.request_id))
             rows = await pipe.execute()
-            behind = [h for h, (n, epoch, done) in zip(rel.held, rows, strict=True)
+            # Only for the sender's own leases: a release naming another's, with a count
+            # published that is never reached, would hold its handler for the whole wait.
+            behind = [h for h, (n, epoch, done), owner
+                      in zip(rel.held, rows[::2], rows[1::2], strict=True)
                       if n is not None and done != "1" and epoch == str(h.epoch)
-                      and int(n) < h.published]
+                      and owner == f"{rel.instance_id}:{h.epoch}" and int(n) < h.published]
             if not behind:
                 return
             await asyncio.sleep(0.02)

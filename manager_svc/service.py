@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -49,6 +49,7 @@ from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
 from shared.config import ManagerConfig
 from shared.errors import ProtocolError
+from shared.logs import Throttled
 from shared.names import Keys
 from shared.process import cancel_and_wait
 from shared.protocol import (
@@ -74,6 +75,13 @@ M = TypeVar("M", bound=msgspec.Struct)
 # How long stop() waits for the background loops after cancelling them.
 STOP_WAIT_S = 3.0
 SERVE_QUEUE = "managers"  # the NATS queue group every replica answers the bus in
+# Bus handlers running or waiting at once, all instances together: past it a request is shed
+# unanswered (its sender retries), so a flood from many ids cannot grow the manager's memory.
+# Each instance has at most two (one running, one waiting), so this is a fleet of thousands.
+MAX_HANDLERS = 8192
+# What the NATS client queues per subscription before it drops (nats-py: 128 MB by default):
+# the handlers drain it at once, so only a flood fills it, and a flood is dropped.
+PENDING_BYTES = 16 << 20
 
 
 class ManagerService:
@@ -84,6 +92,9 @@ class ManagerService:
         self.replica = replica_id()  # this process among any other manager replicas
         self._tasks: list[asyncio.Task[None]] = []
         self._tails: dict[str, asyncio.Task[None]] = {}  # keyed bus handlers, newest per key
+        self._waiting: set[str] = set()  # keys whose newest handler waits behind another
+        self._handlers = 0  # keyed bus handlers running or waiting
+        self._dropped = Throttled(log)  # malformed bus messages: one line per 10 s at most
         # Set by start(), once the clients are connected:
         self.redis: aioredis.Redis
         self.nc: Nats
@@ -105,14 +116,21 @@ class ManagerService:
         self._wire()
         seed, password = reveal(self.cfg.issuer_seed), reveal(self.cfg.rollout_password)
         if seed is not None and password is not None:
-            await AuthCallout(self.nc, self.redis, seed, password, self.metrics).start()
-        await ensure_chunk_stream(self.nc.jetstream(), self.cfg.stream_replicas)
+            # Spot first: were both passwords the same, a login would be the lesser kind.
+            kinds = {"spot": password,
+                     "reserved": reveal(self.cfg.rollout_reserved_password) or ""}
+            await AuthCallout(self.nc, self.redis, seed, kinds, self.metrics,
+                              self.cfg.max_instances_per_credential).start()
+        await ensure_chunk_stream(self.nc.jetstream(), self.cfg.stream_replicas,
+                                  self.cfg.stream_max_bytes)
         await self.runs.sweep()  # runs that ended as a manager died: archive, expire
         await self._serve(names.HEARTBEAT_ANY, Heartbeat, self.registry.on_heartbeat,
                           owner=lambda hb: hb.instance_id, ordered=True,
                           refuse=VersionGate(self.metrics).refuse)
+        # Ordered too: a release may wait seconds for its last commits, and one at a time for
+        # every instance, a flood of releases from one id held up everyone's hand-back.
         await self._serve(names.RELEASE_ANY, Release, self.registry.on_release,
-                          owner=lambda rel: rel.instance_id)
+                          owner=lambda rel: rel.instance_id, ordered=True)
         await self._serve(names.TRAINER_POLL, TrainerPoll, self.trainer.on_poll)
         await self._serve(names.TRAINER_START, StepStart, self.trainer.on_step_start)
         await self._serve(names.TRAINER_SAMPLES, StepSamplesQuery, self.trainer.on_samples)
@@ -214,6 +232,7 @@ class ManagerService:
         async def callback(msg: NatsMsg, after: asyncio.Task[None] | None = None) -> None:
             if after is not None:
                 await asyncio.wait([after])
+                self._waiting.discard(msg.subject)
             sender = names.subject_instance(msg.subject) if owner is not None else ""
             answer = bool(msg.reply) and (names.is_own_inbox(sender, msg.reply) if sender
                                           else msg.reply.startswith(names.INBOX + "."))
@@ -227,7 +246,7 @@ class ManagerService:
                     raise ProtocolError(kind.__name__, "instance id differs from its subject's")
             except ProtocolError as exc:
                 self.metrics.malformed.labels(subject).inc()
-                log.warning("dropped %s", exc)
+                self._dropped.warning("dropped %s", str(exc)[:300])  # a flood: counted
                 reply: msgspec.Struct = Ack(ok=False, detail=str(exc))
             else:
                 reply = refusal or Ack(ok=False) if request is None else \
@@ -237,14 +256,11 @@ class ManagerService:
                     await msg.respond(encode(reply))
 
         async def spawn(msg: NatsMsg) -> None:
-            tag = names.subject_instance(msg.subject)
-            task = asyncio.create_task(callback(msg, self._tails.get(tag)))
-            self._tails[tag] = task  # the newest per key; each task holds the one before it
-            task.add_done_callback(lambda t: self._tails.get(tag) is t and self._tails.pop(tag))
+            self._spawn(msg, callback)
 
         # One queue group: of several manager replicas, each request reaches exactly one.
-        await self.nc.subscribe(subject, queue=SERVE_QUEUE,
-                                cb=spawn if ordered else callback)
+        await self.nc.subscribe(subject, queue=SERVE_QUEUE, cb=spawn if ordered else callback,
+                                pending_bytes_limit=PENDING_BYTES)
 
     async def _handle(self, subject: str, handler: Callable[[M], Awaitable[Any]],
                       request: M) -> Any:
@@ -259,3 +275,30 @@ class ManagerService:
             self.metrics.handler_errors.labels(subject).inc()
             log.exception("handler for %s failed", subject)
             return Ack(ok=False, detail=f"manager error: {type(exc).__name__}")
+
+    def _spawn(self, msg: NatsMsg, callback: Callable[[NatsMsg, asyncio.Task[None] | None],
+                                                      Coroutine[Any, Any, None]]) -> None:
+        """Start ``callback`` on ``msg`` after the handler of the same subject (one instance's
+        beats, or its releases) before it. One waits per subject at most: a newer beat while
+        one waits is shed (the waiting one renews the same leases), so a flood costs two
+        tasks, not one each; and past MAX_HANDLERS in all, any is. Shed requests go unanswered
+        and are counted."""
+        tag = msg.subject
+        shed = "pending" if tag in self._waiting else \
+            "busy" if self._handlers >= MAX_HANDLERS else None
+        if shed is not None:
+            self.metrics.shed.labels(shed).inc()
+            return
+        after = self._tails.get(tag)
+        task = asyncio.create_task(callback(msg, after))
+        self._handlers += 1
+        if after is not None:
+            self._waiting.add(tag)
+        self._tails[tag] = task  # the newest per key; each task holds the one before it
+        task.add_done_callback(lambda t: self._ended(tag, t))
+
+    def _ended(self, tag: str, task: asyncio.Task[None]) -> None:
+        self._handlers -= 1
+        if self._tails.get(tag) is task:
+            self._tails.pop(tag)
+            self._waiting.discard(tag)  # cancelled while waiting, at stop

@@ -138,7 +138,8 @@ class Cluster:
     def add_instance(self, kind: str, instance_id: str,
                      extra: dict[str, str] | None = None) -> Child:
         return self._spawn(instance_id, [sys.executable, "-m", "rollout_svc"], {
-            **self.role_env.get("rollout", {}), "RLBOOST_INSTANCE_KIND": kind,
+            **self.role_env.get("rollout-reserved" if kind == "reserved" else "rollout", {}),
+            "RLBOOST_INSTANCE_KIND": kind,
             "RLBOOST_INSTANCE_ID": instance_id,
             "RLBOOST_ENGINE": self.env.get("RLBOOST_ENGINE", self.engine), **(extra or {}),
         }, self.root / "logs")

@@ -31,7 +31,9 @@ from shared.ports import free_port, wait_port
 
 NATS_CONF = Path(__file__).resolve().parents[1] / "compose" / "nats.conf"
 NATS_TLS_CONF = NATS_CONF.with_name("nats-tls.conf")
-ROLES = ("manager", "trainer", "weights", "rollout")  # who connects; weights logs in as trainer
+# Who connects; weights logs in as trainer, and a reserved rollout instance as user rollout
+# with the reserved credential (its kind comes from which password it holds).
+ROLES = ("manager", "trainer", "weights", "rollout", "rollout-reserved")
 
 
 def server_binary(name: str) -> str:
@@ -59,13 +61,15 @@ class NatsRoles:
     manager: str = field(repr=False)
     trainer: str = field(repr=False)
     rollout: str = field(repr=False)
+    rollout_reserved: str = field(repr=False)
     issuer_seed: str = field(repr=False)
 
     @classmethod
     def generate(cls) -> NatsRoles:
-        manager, trainer, rollout = (f"{role}-{secrets.token_hex(12)}"
-                                     for role in ("manager", "trainer", "rollout"))
-        return cls(manager, trainer, rollout, identity.new_account_seed())
+        manager, trainer, rollout, reserved = (
+            f"{role}-{secrets.token_hex(12)}"
+            for role in ("manager", "trainer", "rollout", "reserved"))
+        return cls(manager, trainer, rollout, reserved, identity.new_account_seed())
 
     def server_env(self) -> dict[str, str]:
         """What nats.conf reads from the server's environment."""
@@ -74,6 +78,8 @@ class NatsRoles:
 
     def login(self, role: str) -> tuple[str, str]:
         """(user, password) of a service role."""
+        if role == "rollout-reserved":
+            return "rollout", self.rollout_reserved
         user = "trainer" if role == "weights" else role
         return user, str(getattr(self, user))
 
@@ -188,6 +194,7 @@ class Stack:
         if self.roles is not None and role == "manager":
             env["RLBOOST_NATS_ISSUER_SEED"] = self.roles.issuer_seed
             env["RLBOOST_NATS_ROLLOUT_PASSWORD"] = self.roles.rollout
+            env["RLBOOST_NATS_ROLLOUT_RESERVED_PASSWORD"] = self.roles.rollout_reserved
         return env
 
     def role_env(self) -> dict[str, dict[str, str]]:

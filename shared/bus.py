@@ -32,7 +32,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 from redis.asyncio.cluster import RedisCluster
 
@@ -90,21 +90,51 @@ async def connect_nats(url: str, name: str, deadline_s: float = 30.0,
             await asyncio.sleep(0.5)
 
 
-async def ensure_chunk_stream(js: JetStreamContext, replicas: int = 1) -> None:
-    """The durable stream token chunks ride on; a message leaves it once the manager acks it.
-    ``replicas``: copies a JetStream cluster keeps (R3 survives one server lost)."""
-    config = StreamConfig(
+# A frame's most bytes on the stream: the shipped server's max_payload (compose/nats.conf).
+# A rollout frame is far smaller (4096 entries of a flush's new tokens, ~100 B of fields
+# each plus 4/3 B per token of base64), and one larger is refused at publish, not stored.
+MAX_FRAME_BYTES = 8 << 20
+
+
+def chunk_stream_config(replicas: int = 1, max_bytes: int = -1) -> StreamConfig:
+    """The chunk stream's configuration (:func:`ensure_chunk_stream`)."""
+    return StreamConfig(
         name=names.CHUNK_STREAM,
         subjects=[names.CHUNK_WILDCARD],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         max_age=3600.0,
         num_replicas=replicas,
+        max_bytes=max_bytes,
+        max_msg_size=MAX_FRAME_BYTES,
+        # Full: refuse new frames (the instance's publish fails, it keeps its tokens buffered
+        # and retries; its lease may lapse and the response migrate, i.e. waste) rather than
+        # discard the oldest, which may be committed-but-unacked tokens nobody would resend.
+        discard=DiscardPolicy.NEW,
+        # No credential, the manager's included, can empty the stream or drop a frame from it:
+        # a frame leaves only by its ack (work-queue retention) or by max_age.
+        deny_purge=True,
+        deny_delete=True,
     )
+
+
+async def ensure_chunk_stream(js: JetStreamContext, replicas: int = 1,
+                              max_bytes: int = -1) -> None:
+    """The durable stream token chunks ride on; a message leaves it once the manager acks it.
+    ``replicas``: copies a JetStream cluster keeps (R3 survives one server lost);
+    ``max_bytes``: what the stream holds at most (-1: the server's limits).
+
+    Created, never updated: the manager's NATS permissions allow no stream update, which
+    would let a stolen manager credential lift deny_purge. A stream that exists with another
+    configuration (an older release's) is kept as it is, and said so; an operator updates it
+    (``nats stream edit`` as a user with the JetStream API)."""
+    config = chunk_stream_config(replicas, max_bytes)
     try:
         await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    except BadRequestError as exc:
+        log.warning("chunk stream %s exists with another configuration (%s); kept as it is: "
+                    "update it to %s", names.CHUNK_STREAM, exc.description,
+                    {k: v for k, v in config.as_dict().items() if k != "subjects"})
 
 
 REDIS_CONNECTIONS = 64  # per client; more concurrent commands wait for one

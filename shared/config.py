@@ -172,6 +172,15 @@ class ManagerConfig(Settings):
     rollout_password: SecretStr | None = setting(
         "RLBOOST_NATS_ROLLOUT_PASSWORD", None, "the NATS password of user rollout, checked by "
         "the callout (NATS_ROLLOUT_PASSWORD); required with the issuer seed")
+    # The kind an instance serves as comes from the password it logged in with, never from
+    # its own heartbeat: a spot machine's credential cannot claim to be reserved.
+    rollout_reserved_password: SecretStr | None = setting(
+        "RLBOOST_NATS_ROLLOUT_RESERVED_PASSWORD", None, "the password of user rollout on "
+        "reserved machines (NATS_ROLLOUT_RESERVED_PASSWORD): its logins serve as reserved, "
+        "the rollout password's as spot; unset = every callout login is spot")
+    max_instances_per_credential: int = setting(
+        "RLBOOST_MAX_INSTANCES_PER_CREDENTIAL", 1024, "live instance ids one rollout "
+        "password may hold at once; a login past it is refused", ge=1)
     max_body_bytes: int = setting(
         "RLBOOST_MAX_BODY_BYTES", 1 << 20, "a larger REST request body is refused with 413", ge=1)
     max_step_responses: int = setting(
@@ -183,6 +192,9 @@ class ManagerConfig(Settings):
     stream_replicas: int = setting(
         "RLBOOST_STREAM_REPLICAS", 1, "copies of the chunk stream a JetStream cluster keeps "
         "(3 on the compose profile \"ha\"'s 3-node cluster); 1 on one server", ge=1, le=5)
+    stream_max_bytes: int = setting(
+        "RLBOOST_STREAM_MAX_BYTES", 1 << 30, "bytes the chunk stream holds at most; full, it "
+        "refuses new frames (their instances retry) and never drops stored ones", ge=1 << 20)
     redis_replica_acks: int = setting(
         "RLBOOST_REDIS_REPLICA_ACKS", 0, "Redis replicas a commit (and a finished step's "
         "record) must reach (WAIT) before it is acked: 1 with a replica per primary, so a "

@@ -163,14 +163,25 @@ def decode_request(token: str) -> AuthRequest:
     )
 
 
+# What one callout user may send and hold: a rollout process's largest message is a token
+# frame, and it subscribes to its assignments, its inbox and the announcements (plus nats-py's
+# request inbox). Claimed in its JWT as nats-io/jwt defines them; nats-server 2.15 does not
+# apply a callout user's own limits, so the server-wide max_payload and max_subscriptions
+# (compose/nats.conf) are what bounds a connection there.
+USER_MAX_PAYLOAD = 4 << 20
+USER_MAX_SUBS = 16
+
+
 def user_jwt(issuer_seed: str, user_nkey: str, name: str, publish: list[str],
-             subscribe: list[str]) -> str:
-    """A user of the global account allowed exactly ``publish`` and ``subscribe``."""
+             subscribe: list[str], max_payload: int = USER_MAX_PAYLOAD,
+             max_subs: int = USER_MAX_SUBS) -> str:
+    """A user of the global account allowed exactly ``publish`` and ``subscribe``, messages
+    of at most ``max_payload`` bytes and at most ``max_subs`` subscriptions."""
     return _encode({
         "iat": int(time.time()), "iss": public_key(issuer_seed), "sub": user_nkey,
         "aud": GLOBAL_ACCOUNT, "name": name,
-        "nats": {"pub": {"allow": publish}, "sub": {"allow": subscribe}, "subs": -1,
-                 "data": -1, "payload": -1, "type": "user", "version": 2},
+        "nats": {"pub": {"allow": publish}, "sub": {"allow": subscribe}, "subs": max_subs,
+                 "data": -1, "payload": max_payload, "type": "user", "version": 2},
     }, issuer_seed)
 
 

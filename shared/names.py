@@ -270,8 +270,15 @@ class Keys:
 
     @staticmethod
     def identity(instance_id: str) -> str:
-        """The public nkey of the process that holds this id (TTL'd like the instance)."""
+        """"<kind>:<public nkey>" of the process that holds this id, kind from its credential
+        (TTL'd like the instance)."""
         return f"{CONTROL}:identity:{instance_id}"
+
+    @staticmethod
+    def credential_ids(kind: str) -> str:
+        """Set of the instance ids logged in with the rollout credential of ``kind`` (the
+        callout's cap on live ids per credential; members whose identity ended are pruned)."""
+        return f"{CONTROL}:identities:{kind}"
 
     @staticmethod
     def chunk_key() -> str:

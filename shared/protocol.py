@@ -35,6 +35,11 @@ FinishReason = Literal["stop", "length"]
 # Checked while parsing, so no handler ever sees an id that could collide in a Redis key.
 InstanceId = Annotated[str, msgspec.Meta(pattern=INSTANCE_ID_PATTERN, max_length=INSTANCE_ID_MAX)]
 RequestId = Annotated[str, msgspec.Meta(pattern=REQUEST_ID_PATTERN, max_length=100)]
+# Bounds of what an instance sends, checked while parsing: a field past one is malformed, so no
+# handler, Redis key or Lua script sees an oversized value from a hostile or broken instance.
+HELD_MAX = 4096  # responses one instance holds at once (its capacity's bound too)
+Short = Annotated[str, msgspec.Meta(max_length=64)]  # engine, run id, session, ...
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # epochs, token counts, versions
 
 
 # Entries per frame: an instance batches at most a few hundred responses; a frame past this is
@@ -73,26 +78,27 @@ class Msg(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
 
 class Held(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: RequestId  # which response the instance is working on
-    epoch: int  # lease epoch (fencing token) it was assigned under
-    buffered: int = 0  # tokens generated but not yet published: what a hard loss wastes
-    published: int = 0  # response positions published so far (committed once ingested)
+    epoch: Count  # lease epoch (fencing token) it was assigned under
+    buffered: Count = 0  # tokens generated but not yet published: what a hard loss wastes
+    published: Count = 0  # response positions published so far (committed once ingested)
 
 
 class Heartbeat(Msg):
     instance_id: InstanceId  # stable name of the instance; must equal its subject's last token
     kind: InstanceKind  # reserved machines seed; spot ones come and go
-    engine: str  # torch | sglang | emu
+    engine: Short  # torch | sglang | emu
     state: InstanceState  # only "ready" instances get work
-    run_id: str | None = None  # weight namespace of the loaded version
-    weight_version: int | None = None  # version currently loaded in the engine
-    held: list[Held] = []  # responses in flight; their leases are renewed by this beat
-    capacity: int = 1  # responses it can generate concurrently
-    pid: int = 0  # for operators and fault tests
-    metrics_port: int = 0  # where the instance serves /metrics (0 = not served)
+    run_id: Short | None = None  # weight namespace of the loaded version
+    weight_version: Count | None = None  # version currently loaded in the engine
+    # responses in flight; their leases are renewed by this beat
+    held: Annotated[list[Held], msgspec.Meta(max_length=HELD_MAX)] = []
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=HELD_MAX)] = 1  # generated concurrently
+    pid: Count = 0  # for operators and fault tests
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # its /metrics (0 = none)
     # Random per process start: a beat that was in flight when this process released its
     # work must not re-register it, while a restart under the same id must be let in.
-    session: str = ""
-    protocol: int = PROTOCOL_VERSION  # the sender's PROTOCOL_VERSION (absent: 0, before it)
+    session: Short = ""
+    protocol: Count = PROTOCOL_VERSION  # the sender's PROTOCOL_VERSION (absent: 0, before it)
 
 
 class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -149,10 +155,11 @@ class Revoke(Msg):
 
 class Release(Msg):
     instance_id: InstanceId  # must equal its subject's last token
-    held: list[Held]  # responses handed back (preemption notice or clean exit)
+    # responses handed back (preemption notice or clean exit)
+    held: Annotated[list[Held], msgspec.Meta(max_length=HELD_MAX)]
     leaving: bool = True  # the instance deregisters after this
     reason: Literal["preempt", "shutdown", "abort", "handoff"] = "shutdown"
-    session: str = ""  # the leaving process's Heartbeat.session
+    session: Short = ""  # the leaving process's Heartbeat.session
 
 
 class FrameEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -171,10 +178,12 @@ class FrameEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     epoch: int  # rejected unless equal to the current lease epoch
     weight_version: int  # rejected unless equal to the step's version
     offset: int  # position of the first token in the response; must be the next uncommitted one
-    tokens: bytes  # the new ids, pack_token_ids
+    # the new ids, pack_token_ids; at most a 256k-token flush, far past any max_new_tokens
+    tokens: Annotated[bytes, msgspec.Meta(max_length=TOKEN_WIDTH << 18)]
     final: bool = False  # the response ends with this entry
     finish_reason: FinishReason | None = None
-    mac: str = ""  # entry_mac under the lease key of its Assignment; checked before any commit
+    # entry_mac under the lease key of its Assignment; checked before any commit
+    mac: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
     @classmethod
     def of(cls, *, request_id: str, epoch: int, weight_version: int, offset: int,

@@ -19,14 +19,25 @@ from rlboost.stack import Stack
 from tests.support.metadata import Handler, Metadata
 
 
-@pytest.fixture
-def brokers(tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack.create(tmp_path / "brokers")
+def _running(stack: Stack) -> Iterator[Stack]:
     stack.start()
     try:
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture
+def brokers(tmp_path: Path) -> Iterator[Stack]:
+    yield from _running(Stack.create(tmp_path / "brokers"))
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Iterator[Stack]:
+    """nats-server from the shipped compose/nats.conf (its roles' credentials in the server's
+    environment, as compose passes them, rollout logins through the manager's auth callout),
+    Redis with a password."""
+    yield from _running(Stack.create(tmp_path / "locked", locked=True))
 
 
 @pytest.fixture

@@ -162,18 +162,6 @@ def test_the_read_token_reads_and_may_not_write(services: tuple[str, str],
     assert httpx.post(f"{weights}/v1/weights/run-r/0/pin", headers=write).status_code == 200
 
 
-@pytest.fixture
-def locked(tmp_path: Path) -> Iterator[Stack]:
-    """nats-server from the shipped compose/nats.conf (its roles' credentials in the server's
-    environment, as compose passes them), Redis with a password."""
-    stack = Stack.create(tmp_path / "locked", locked=True)
-    stack.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-
-
 async def _nats_roundtrip(url: str, subject: str, jetstream: bool) -> bytes:
     nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2,
                             max_reconnect_attempts=0)

@@ -47,16 +47,6 @@ SPEC = {"model": "emu", "steps": 2, "prompts_per_step": 4, "samples_per_prompt":
 
 
 @pytest.fixture
-def locked(tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack.create(tmp_path / "brokers", locked=True)
-    stack.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-
-
-@pytest.fixture
 def cluster(locked: Stack, tmp_path: Path) -> Iterator[Cluster]:
     c = start_cluster(tmp_path, locked, spot=1, reserved=1, engine="emu", env=FAST)
     try:
