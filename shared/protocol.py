@@ -87,6 +87,7 @@ class Heartbeat(Msg):
     # Random per process start: a beat that was in flight when this process released its
     # work must not re-register it, while a restart under the same id must be let in.
     session: str = ""
+    decode_steps: int = 0  # the engine's completed decode steps (monotonic; 0 = unknown)
 
 
 class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
