@@ -53,6 +53,10 @@ ASSIGN_BATCH = 256
 # How long reserved instances get at a hand-off to flush their buffers and hand work back (a
 # release waits up to RELEASE_COMMIT_WAIT_S for its chunks' commits) before it is revoked.
 HANDOFF_FLUSH_S = RELEASE_COMMIT_WAIT_S + 1.0
+# Near a step's end a lease that committed nothing for this fraction of the progress timeout
+# moves to an idle instance: a healthy lease commits every chunk_tokens decode steps, far more
+# often than this, and a wrong guess costs one re-prefill on an instance that was idle anyway.
+BACKUP_FRACTION = 0.25
 
 Instance = dict[str, Any]  # a row of Registry.instances()
 
@@ -100,6 +104,9 @@ class Dispatcher:
         self._last_reap = 0.0
         self._rebalanced: dict[str, float] = {}  # soft state: last rebalance per instance
         self._idle_since: dict[str, float] = {}  # soft state: when each instance went idle
+        # Progress is judged only once this process has run for a progress timeout: a
+        # restarted manager has not yet committed what the stream holds for it.
+        self._started = time.monotonic()
 
     async def run(self) -> None:
         """The dispatch loop: one pass per wake-up, or per interval when nothing wakes it,
@@ -110,7 +117,8 @@ class Dispatcher:
                 continue  # a standby replica: another one dispatches
             if self._reap_due():
                 await self.registry.reap_dead()  # dead instances give their work back,
-                await self._expire_leases()  # and so do leases nobody renewed
+                await self._expire_leases()  # and so do leases nobody renewed,
+                await self._check_progress()  # and hung or lagging holders
             await self.dispatch_once()
 
     async def dispatch_once(self) -> int:
@@ -174,6 +182,54 @@ class Dispatcher:
             if await self.ledger.revoke(rid):
                 self.metrics.revocations.labels("expired").inc()
                 log.info("lease of %s expired; taken back", rid)
+
+    async def _check_progress(self) -> None:
+        """Progress, not just liveness (RLBOOST_PROGRESS_TIMEOUT_S): an instance whose engine
+        has not advanced for the timeout while it holds work is drained; a lease that
+        committed nothing for the timeout (plus instance_ttl_s where its holder's engine
+        reports its steps, so the engine check judges first and drains it) is revoked. Near
+        the step's end, with idle instances enough for what is left, both bounds shrink to
+        BACKUP_FRACTION of it and a lagging lease moves to an idle instance (the backup: the
+        lagging holder's lease is revoked, so whoever commits next under the new epoch wins
+        and its late tokens are refused as stale, counted as regenerated). A drained
+        instance whose engine moves again (a slow one, or a healthy one judged on a late
+        beat) reads ready at its next beat."""
+        timeout = self.cfg.progress_timeout_s
+        active = await self._active_step()
+        if active is None or time.monotonic() - self._started < timeout:
+            return
+        everyone = {i["id"]: i for i in await self.registry.instances(active.run_id)}
+        backup = await self._backup_room(active, everyone)
+        bound = timeout * BACKUP_FRACTION if backup else timeout
+        # The engine first, at the same bound: a backup that only took the work of a hung
+        # engine would leave it ready for the next step's, to hang on that too.
+        for instance_id, rids in await self.registry.drain_stuck(
+                list(everyone.values()), active.run_id, bound):
+            if rids:
+                await self.nc.publish(names.assign_subject(instance_id),
+                                      encode(Revoke(request_ids=rids)))
+        for rid, owner, idle_s in await self.ledger.stalled_leases(
+                active.run_id, active.step, bound):
+            holder = everyone.get(owner, {})
+            deadline = timeout + (self.cfg.instance_ttl_s if holder.get("decode_steps") else 0)
+            reason = "no_progress" if idle_s >= deadline else "backup" if backup else ""
+            if reason and await self._take_back(owner, [rid], reason):
+                log.warning("%s: nothing committed by %s for %.1fs (%s); it moves", rid,
+                            owner, idle_s, reason)
+                self.soft.wake.set()
+
+    async def _backup_room(self, step: ActiveStep, everyone: dict[str, Instance]) -> bool:
+        """Whether the step is at its end: nothing pending, and idle instances that may take
+        work have room for every response still leased."""
+        if await self.redis.scard(Keys.pending(step.run_id, step.step)):
+            return False
+        leased = await self.redis.scard(Keys.leased(step.run_id, step.step))
+        version = int(step.info["version"])
+        idle = [i for i in everyone.values() if i["state"] == "ready" and i["held"] == 0
+                and i["run_id"] == step.run_id and i["weight_version"] == version]
+        room = takers(idle, in_window=window_open(step.info),
+                      any_spot=spot_alive(list(everyone.values())))
+        return bool(0 < leased <= sum(int(i["capacity"]) for i in room))
 
     async def _eligible(self, step: ActiveStep) -> list[Instance]:
         """Who may take work now: ready instances holding the step's version. During the

@@ -45,8 +45,13 @@ class ManagerMetrics:
             "Leases a release named that its sender did not hold: refused, the holder keeps them",
             registry=self.registry,
         )
+        self.stuck_engines = Counter(
+            "rlboost_stuck_engines_total", "Instances drained: their engine did not advance "
+            "for the progress timeout while they held work", registry=self.registry,
+        )
         # Series at zero from the start, so a dashboard's rate() has them before the first loss.
-        for reason in ("preempt", "shutdown", "dead", "expired", "lost"):
+        for reason in ("preempt", "shutdown", "dead", "expired", "lost", "no_progress",
+                       "engine_stuck", "backup"):
             self.revocations.labels(reason)
         self.instances = Gauge(
             "rlboost_instances_alive", "Rollout instances with a live heartbeat", ["kind"],

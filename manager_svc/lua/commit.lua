@@ -62,7 +62,8 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
     take_legacy_tokens(req, st[8])  -- st[8] is nil for every response written since
     redis.call('APPEND', req .. TOKENS, n == 0 and tokens or (',' .. tokens))
     n = n + ntok
-    redis.call('HSET', req, 'n', n)
+    -- When the lease last moved: the no-progress check (stalled_leases.lua) reads it.
+    redis.call('HSET', req, 'n', n, 'progress_at', now)
     count(step, 'tokens', ntok)
     count(step, 'tokens_' .. kind, ntok)
     firsts[step .. '|' .. kind] = {step, kind .. '_first_at'}
