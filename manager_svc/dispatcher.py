@@ -107,6 +107,9 @@ class Dispatcher:
         # Progress is judged only once this process has run for a progress timeout: a
         # restarted manager has not yet committed what the stream holds for it.
         self._started = time.monotonic()
+        # Soft state: instances a backup took work from, and until when they get none (what
+        # was moved off them would otherwise be leased straight back while they look ready).
+        self._lagging: dict[str, float] = {}
 
     async def run(self) -> None:
         """The dispatch loop: one pass per wake-up, or per interval when nothing wakes it,
@@ -135,6 +138,7 @@ class Dispatcher:
             # ~10 % of the manager's time while it drained a backlog at 128 instances.
             return 0
         ready = await self._eligible(step)  # seeding window, or the hand-off at its end
+        ready = [i for i in ready if self._lagging.get(i["id"], 0.0) < time.monotonic()]
         if not ready:
             return 0  # before reading what may be a big pending set
         pending = await self.redis.smembers(Keys.pending(step.run_id, step.step))
@@ -184,25 +188,29 @@ class Dispatcher:
                 log.info("lease of %s expired; taken back", rid)
 
     async def _check_progress(self) -> None:
-        """Progress, not just liveness (RLBOOST_PROGRESS_TIMEOUT_S): an instance whose engine
-        has not advanced for the timeout while it holds work is drained; a lease that
-        committed nothing for the timeout (plus instance_ttl_s where its holder's engine
-        reports its steps, so the engine check judges first and drains it) is revoked. Near
-        the step's end, with idle instances enough for what is left, both bounds shrink to
-        BACKUP_FRACTION of it and a lagging lease moves to an idle instance (the backup: the
-        lagging holder's lease is revoked, so whoever commits next under the new epoch wins
-        and its late tokens are refused as stale, counted as regenerated). A drained
-        instance whose engine moves again (a slow one, or a healthy one judged on a late
-        beat) reads ready at its next beat."""
+        """Progress, not just liveness (RLBOOST_PROGRESS_TIMEOUT_S, T), judged at a bound b:
+        T, or near the step's end (nothing pending, and idle instances with room for every
+        response still leased) BACKUP_FRACTION of it, never under two instance TTLs (an
+        engine's count is seen on beats, which may come that late). An instance whose engine
+        has not advanced for b while it holds work is drained; then a lease that committed
+        nothing for b, plus an instance TTL where its holder's engine reports its steps (so
+        the engine check has judged that holder first), is revoked: "no_progress" past T,
+        else "backup", the response moving to an idle instance. The lagging holder's lease
+        is gone, so whoever commits next under the new epoch wins and its late tokens are
+        refused as stale, counted as regenerated. A drained instance whose engine moves again
+        (a slow one, or a healthy one judged on a late beat) reads ready at its next beat."""
         timeout = self.cfg.progress_timeout_s
         active = await self._active_step()
-        if active is None or time.monotonic() - self._started < timeout:
+        now = time.monotonic()
+        if active is None or now - self._started < timeout:
             return
+        self._lagging = {i: until for i, until in self._lagging.items() if until > now}
         everyone = {i["id"]: i for i in await self.registry.instances(active.run_id)}
         backup = await self._backup_room(active, everyone)
-        bound = timeout * BACKUP_FRACTION if backup else timeout
-        # The engine first, at the same bound: a backup that only took the work of a hung
-        # engine would leave it ready for the next step's, to hang on that too.
+        bound = max(timeout * BACKUP_FRACTION if backup else timeout,
+                    2 * self.cfg.instance_ttl_s)
+        # The engine first: a backup that took only the work of a hung engine would leave it
+        # ready for the next step's, to hang on that too.
         for instance_id, rids in await self.registry.drain_stuck(
                 list(everyone.values()), active.run_id, bound):
             if rids:
@@ -210,10 +218,14 @@ class Dispatcher:
                                       encode(Revoke(request_ids=rids)))
         for rid, owner, idle_s in await self.ledger.stalled_leases(
                 active.run_id, active.step, bound):
-            holder = everyone.get(owner, {})
-            deadline = timeout + (self.cfg.instance_ttl_s if holder.get("decode_steps") else 0)
-            reason = "no_progress" if idle_s >= deadline else "backup" if backup else ""
-            if reason and await self._take_back(owner, [rid], reason):
+            reports = bool(everyone.get(owner, {}).get("decode_steps"))
+            later = self.cfg.instance_ttl_s if reports else 0.0
+            reason = "no_progress" if idle_s >= timeout + later else \
+                "backup" if backup and idle_s >= bound + later else ""
+            if not reason:
+                continue
+            self._lagging[owner] = now + timeout
+            if await self._take_back(owner, [rid], reason):
                 log.warning("%s: nothing committed by %s for %.1fs (%s); it moves", rid,
                             owner, idle_s, reason)
                 self.soft.wake.set()

@@ -230,8 +230,8 @@ class Registry:
                 Keys.held(run_id, row["id"]))) if await self.ledger.revoke(rid)]
             self.metrics.revocations.labels("engine_stuck").inc(len(revoked))
             self.metrics.stuck_engines.inc()
-            log.warning("instance %s: engine stuck at decode step %d for %.0fs while holding "
-                        "%d responses; drained, its work moves", row["id"], row["decode_steps"],
+            log.warning("instance %s: engine stuck at decode step %d for %.1fs while holding "
+                        "work; drained, %d responses move", row["id"], row["decode_steps"],
                         now - row["steps_at"], len(revoked))
             drained.append((row["id"], revoked))
         return drained
