@@ -223,8 +223,8 @@ class Registry:
                 continue
             key = Keys.instance(row["id"])
             info = await self.redis.hgetall(key)
-            if not info:
-                continue
+            if info.get("decode_steps") != str(row["decode_steps"]):
+                continue  # gone, or a beat since says its engine moved
             await self.redis.hset(key, "stuck", stuck_mark(info))
             revoked = [rid for rid in sorted(await self.redis.smembers(
                 Keys.held(run_id, row["id"]))) if await self.ledger.revoke(rid)]
