@@ -124,10 +124,17 @@ class Injector:
         except (httpx.HTTPError, ValueError):
             return []  # the manager is restarting, or its Redis unreachable (503)
 
+    def spared(self) -> list[Child]:
+        """Alive instances other faults may hit: not an engine fault's instance still on its
+        way to hitting work (killed first, its fault would find nothing)."""
+        alive = self.rollouts()
+        watched = self.engines.unresolved()
+        return [c for c in alive if c.name not in watched] or alive
+
     def busy_rollouts(self) -> list[Child]:
         """Alive instances that hold work now (a fault on an idle one proves little)."""
         busy = {i["id"] for i in self._instances() if i.get("held", 0) > 0}
-        alive = self.rollouts()
+        alive = self.spared()
         return [c for c in alive if c.name in busy] or alive
 
     def kill_rollout(self) -> bool:
@@ -144,7 +151,7 @@ class Injector:
 
     def join(self) -> bool:
         if len(self.rollouts()) >= 6:
-            self.rollouts()[0].signal(signal.SIGTERM)
+            self.spared()[0].signal(signal.SIGTERM)
         self._spare()
         return False  # a join, not a fault: counted in joins
 
@@ -152,7 +159,7 @@ class Injector:
         """A new instance whose engine hangs or slows once serving; counted when it hits work
         (:meth:`_engine_hit`)."""
         if len(self.rollouts()) >= 6:
-            self.rollouts()[0].signal(signal.SIGTERM)
+            self.spared()[0].signal(signal.SIGTERM)
         self._next_id += 1
         self.engines.launch(kind, f"join-{kind}-{self._next_id}")
         return False
@@ -165,7 +172,7 @@ class Injector:
             self.missed[kind] += 1
 
     def zombie(self) -> bool:
-        victims = self.rollouts()
+        victims = self.spared()
         if len(victims) <= 1:
             return False
         victim = self.rng.choice(victims)

@@ -110,6 +110,13 @@ class EngineFaults:
                     w.moved_s = now - max(w.earliest, w.idle_seen)
                     w.retire_at = now + RETIRE_S
 
+    def unresolved(self) -> set[str]:
+        """Names of the instances whose fault has not yet hit work, or (a hang) whose work
+        has not yet moved."""
+        with self._lock:
+            return {w.child.name for w in self.watched
+                    if w.hit_at is None or (w.kind == "hang" and w.moved_s is None)}
+
     def _retire(self, w: Watched) -> None:
         if w.hit_at is None:
             self.missed[w.kind] += 1  # it never held work once faulty: no fault
