@@ -7,7 +7,8 @@ lease is alive (fencing), that its offset is the next uncommitted position, and 
 So a redelivered entry is a counted duplicate, an entry from a revoked or expired owner is a
 counted stale entry, and no interleaving of manager restarts, redeliveries or zombies can
 commit a token twice. Ownership changes (:meth:`assign`, :meth:`revoke`) bump the epoch in
-the same atomic way. The scripts are ``manager_svc/lua/{commit,assign,revoke,renew_many}.lua``.
+the same atomic way, and each stamps the response's ``progress_at`` (the no-progress check,
+:meth:`stalled_leases`). The scripts are ``manager_svc/lua/{commit,assign,revoke,renew_many}.lua``.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class Ledger:
         self._close_step = register(redis, "close_step.lua")
         self._read_samples = register(redis, "read_samples.lua")
         self._expired_leases = register(redis, "expired_leases.lua")
+        self._stalled_leases = register(redis, "stalled_leases.lua")
         # The commit script finds a step's sets by suffix; names.Keys stays the one definition.
         base = Keys.step("r", 0)
         self._step_keys: dict[str, str] = {}  # "<run>:<step>" -> the step's key (_frame_arg)
@@ -386,6 +388,15 @@ class Ledger:
         """The step's leased responses whose lease nobody renewed in time, sorted."""
         gone = await self._expired_leases(keys=[Keys.leased(run_id, step)])
         return sorted(str(r) for r in gone)
+
+    async def stalled_leases(self, run_id: str, step: int, bound_s: float
+                             ) -> list[tuple[str, str, float]]:
+        """(request id, owner, seconds since its last commit or grant) of each leased response
+        of the step that has committed nothing for ``bound_s``, sorted."""
+        flat = await self._stalled_leases(keys=[Keys.leased(run_id, step)],
+                                          args=[time.time(), bound_s])
+        return sorted((str(flat[i]), str(flat[i + 1]), float(flat[i + 2]))
+                      for i in range(0, len(flat), 3))
 
     async def renew_many(self, instance_id: str, held: list[tuple[str, int, int]]) -> list[str]:
         """Renew every (request id, epoch, buffered) lease an instance reports; returns the

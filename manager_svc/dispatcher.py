@@ -53,6 +53,10 @@ ASSIGN_BATCH = 256
 # How long reserved instances get at a hand-off to flush their buffers and hand work back (a
 # release waits up to RELEASE_COMMIT_WAIT_S for its chunks' commits) before it is revoked.
 HANDOFF_FLUSH_S = RELEASE_COMMIT_WAIT_S + 1.0
+# Near a step's end a lease that committed nothing for this fraction of the progress timeout
+# moves to an idle instance: a healthy lease commits every chunk_tokens decode steps, far more
+# often than this, and a wrong guess costs one re-prefill on an instance that was idle anyway.
+BACKUP_FRACTION = 0.25
 
 Instance = dict[str, Any]  # a row of Registry.instances()
 
@@ -100,6 +104,12 @@ class Dispatcher:
         self._last_reap = 0.0
         self._rebalanced: dict[str, float] = {}  # soft state: last rebalance per instance
         self._idle_since: dict[str, float] = {}  # soft state: when each instance went idle
+        # Progress is judged only once this process has run for a progress timeout: a
+        # restarted manager has not yet committed what the stream holds for it.
+        self._started = time.monotonic()
+        # Soft state: instances a backup took work from, and until when they get none (what
+        # was moved off them would otherwise be leased straight back while they look ready).
+        self._lagging: dict[str, float] = {}
 
     async def run(self) -> None:
         """The dispatch loop: one pass per wake-up, or per interval when nothing wakes it,
@@ -110,7 +120,8 @@ class Dispatcher:
                 continue  # a standby replica: another one dispatches
             if self._reap_due():
                 await self.registry.reap_dead()  # dead instances give their work back,
-                await self._expire_leases()  # and so do leases nobody renewed
+                await self._expire_leases()  # and so do leases nobody renewed,
+                await self._check_progress()  # and hung or lagging holders
             await self.dispatch_once()
 
     async def dispatch_once(self) -> int:
@@ -127,6 +138,7 @@ class Dispatcher:
             # ~10 % of the manager's time while it drained a backlog at 128 instances.
             return 0
         ready = await self._eligible(step)  # seeding window, or the hand-off at its end
+        ready = [i for i in ready if self._lagging.get(i["id"], 0.0) < time.monotonic()]
         if not ready:
             return 0  # before reading what may be a big pending set
         pending = await self.redis.smembers(Keys.pending(step.run_id, step.step))
@@ -174,6 +186,62 @@ class Dispatcher:
             if await self.ledger.revoke(rid):
                 self.metrics.revocations.labels("expired").inc()
                 log.info("lease of %s expired; taken back", rid)
+
+    async def _check_progress(self) -> None:
+        """Progress, not just liveness (RLBOOST_PROGRESS_TIMEOUT_S, T), judged at a bound b:
+        T, or near the step's end (nothing pending, and idle instances with room for every
+        response still leased) BACKUP_FRACTION of it, never under two instance TTLs (an
+        engine's count is seen on beats, which may come that late). An instance whose engine
+        has not advanced for b while it holds work is drained; then a lease that committed
+        nothing for b, plus an instance TTL where its holder's engine reports its steps (so
+        the engine check has judged that holder first), is revoked: "no_progress" past T,
+        else "backup", the response moving to an idle instance. The lagging holder's lease
+        is gone, so whoever commits next under the new epoch wins and its late tokens are
+        refused as stale, counted as regenerated. A drained instance whose engine moves again
+        (a slow one, or a healthy one judged on a late beat) reads ready at its next beat."""
+        timeout = self.cfg.progress_timeout_s
+        active = await self._active_step()
+        now = time.monotonic()
+        if active is None or now - self._started < timeout:
+            return
+        self._lagging = {i: until for i, until in self._lagging.items() if until > now}
+        everyone = {i["id"]: i for i in await self.registry.instances(active.run_id)}
+        backup = await self._backup_room(active, everyone)
+        bound = max(timeout * BACKUP_FRACTION if backup else timeout,
+                    2 * self.cfg.instance_ttl_s)
+        # The engine first: a backup that took only the work of a hung engine would leave it
+        # ready for the next step's, to hang on that too.
+        for instance_id, rids in await self.registry.drain_stuck(
+                list(everyone.values()), active.run_id, bound):
+            if rids:
+                await self.nc.publish(names.assign_subject(instance_id),
+                                      encode(Revoke(request_ids=rids)))
+        for rid, owner, idle_s in await self.ledger.stalled_leases(
+                active.run_id, active.step, bound):
+            reports = bool(everyone.get(owner, {}).get("decode_steps"))
+            later = self.cfg.instance_ttl_s if reports else 0.0
+            reason = "no_progress" if idle_s >= timeout + later else \
+                "backup" if backup and idle_s >= bound + later else ""
+            if not reason:
+                continue
+            self._lagging[owner] = now + timeout
+            if await self._take_back(owner, [rid], reason):
+                log.warning("%s: nothing committed by %s for %.1fs (%s); it moves", rid,
+                            owner, idle_s, reason)
+                self.soft.wake.set()
+
+    async def _backup_room(self, step: ActiveStep, everyone: dict[str, Instance]) -> bool:
+        """Whether the step is at its end: nothing pending, and idle instances that may take
+        work have room for every response still leased."""
+        if await self.redis.scard(Keys.pending(step.run_id, step.step)):
+            return False
+        leased = await self.redis.scard(Keys.leased(step.run_id, step.step))
+        version = int(step.info["version"])
+        idle = [i for i in everyone.values() if i["state"] == "ready" and i["held"] == 0
+                and i["run_id"] == step.run_id and i["weight_version"] == version]
+        room = takers(idle, in_window=window_open(step.info),
+                      any_spot=spot_alive(list(everyone.values())))
+        return bool(0 < leased <= sum(int(i["capacity"]) for i in room))
 
     async def _eligible(self, step: ActiveStep) -> list[Instance]:
         """Who may take work now: ready instances holding the step's version. During the

@@ -40,22 +40,9 @@ class ManagerMetrics:
             "rlboost_lease_revocations_total", "Leases taken back, by reason", ["reason"],
             registry=self.registry,
         )
-        self.foreign_releases = Counter(
-            "rlboost_foreign_releases_total",
-            "Leases a release named that its sender did not hold: refused, the holder keeps them",
-            registry=self.registry,
-        )
-        self.kind_refused = Counter(
-            "rlboost_kind_claims_refused_total", "Heartbeats claiming reserved from a spot "
-            "rollout credential: served as spot", registry=self.registry,
-        )
-        self.shed = Counter(
-            "rlboost_bus_messages_shed_total", "Bus requests dropped unanswered: another from "
-            "the same instance already waiting (pending), or too many handlers running (busy)",
-            ["reason"], registry=self.registry,
-        )
         # Series at zero from the start, so a dashboard's rate() has them before the first loss.
-        for reason in ("preempt", "shutdown", "dead", "expired", "lost"):
+        for reason in ("preempt", "shutdown", "dead", "expired", "lost", "no_progress",
+                       "engine_stuck", "backup"):
             self.revocations.labels(reason)
         self.instances = Gauge(
             "rlboost_instances_alive", "Rollout instances with a live heartbeat", ["kind"],
@@ -89,7 +76,26 @@ class ManagerMetrics:
         self._screening()
 
     def _screening(self) -> None:
-        """What the manager refuses of instances: garbage entries, quarantines, versions."""
+        """What the manager refuses of instances: foreign releases, kind claims, floods,
+        stuck engines, garbage entries, quarantines, versions."""
+        self.foreign_releases = Counter(
+            "rlboost_foreign_releases_total",
+            "Leases a release named that its sender did not hold: refused, the holder keeps them",
+            registry=self.registry,
+        )
+        self.kind_refused = Counter(
+            "rlboost_kind_claims_refused_total", "Heartbeats claiming reserved from a spot "
+            "rollout credential: served as spot", registry=self.registry,
+        )
+        self.shed = Counter(
+            "rlboost_bus_messages_shed_total", "Bus requests dropped unanswered: another from "
+            "the same instance already waiting (pending), or too many handlers running (busy)",
+            ["reason"], registry=self.registry,
+        )
+        self.stuck_engines = Counter(
+            "rlboost_stuck_engines_total", "Instances drained: their engine did not advance "
+            "for the progress timeout while they held work", registry=self.registry,
+        )
         self.rejected_entries = Counter(
             "rlboost_rejected_entries_total", "Frame entries dropped before any commit, by "
             "reason (vocabulary, offset, partial_token, mac, run, instance)", ["reason"],

@@ -44,6 +44,11 @@ RELEASE_COMMIT_WAIT_S = 3.0
 DEPARTED_TTL_MS = 60_000
 
 
+def stuck_mark(info: dict[str, str]) -> str:
+    """What a drained instance's ``stuck`` field holds: its process and its engine's count."""
+    return f"{info.get('session', '')}:{info.get('decode_steps', '0')}"
+
+
 class Registry:
     def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, ledger: Ledger,
                  runs: RunStore, metrics: ManagerMetrics, soft: SoftState,
@@ -92,7 +97,7 @@ class Registry:
                                  Keys.active],
                     [json.dumps([str(x) for kv in fields.items() for x in kv]),
                      int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
-                     fields["last_seen"]])
+                     fields["last_seen"], hb.decode_steps, int(bool(hb.held))])
         guess = [self._run_part(hb, hb.run_id, version)] if hb.run_id else []
         replies = await run_batch(self.redis, [beat, *guess])
         run_id = replies[0]
@@ -206,7 +211,7 @@ class Registry:
             version = int(info.get("weight_version", -1))
             out.append({
                 "id": i, "kind": info.get("kind"),
-                "state": "quarantined" if i in quarantined else info.get("state"),
+                "state": "quarantined" if i in quarantined else self._state(info),
                 "reason": quarantined.get(i),
                 "engine": info.get("engine"), "run_id": info.get("run_id") or None,
                 "weight_version": None if version < 0 else version,
@@ -214,8 +219,46 @@ class Registry:
                 "pid": int(info.get("pid", 0)), "metrics_port": int(info.get("metrics_port", 0)),
                 "last_seen": float(info.get("last_seen", 0)),
                 "joined_at": float(info.get("joined_at", 0)),
+                "decode_steps": int(info.get("decode_steps", 0)),
+                "steps_at": float(info.get("steps_at", 0)),
             })
         return out
+
+    @staticmethod
+    def _state(info: dict[str, str]) -> str | None:
+        """An instance drained for a hung engine reads ``draining`` (and gets no work) until
+        its engine moves again: its mark names the process and the step count it stopped at."""
+        if info.get("stuck") and info["stuck"] == stuck_mark(info):
+            return "draining"
+        return info.get("state")
+
+    async def drain_stuck(self, rows: list[dict[str, Any]], run_id: str, timeout_s: float
+                          ) -> list[tuple[str, list[str]]]:
+        """Of ``rows`` (:meth:`instances` of the active run ``run_id``), those that hold work
+        while their engine has not advanced for ``timeout_s``: each is marked (so it reads
+        ``draining`` until its engine moves) and its leases of the run revoked. Returns
+        (instance, request ids revoked) for each one marked. An engine that cannot tell its
+        steps (0) is left to the per-lease progress check."""
+        drained = []
+        now = time.time()
+        for row in rows:
+            if row["state"] != "ready" or row["held"] == 0 or row["decode_steps"] == 0 or \
+                    now - row["steps_at"] < timeout_s:
+                continue
+            key = Keys.instance(row["id"])
+            info = await self.redis.hgetall(key)
+            if info.get("decode_steps") != str(row["decode_steps"]):
+                continue  # gone, or a beat since says its engine moved
+            await self.redis.hset(key, "stuck", stuck_mark(info))
+            revoked = [rid for rid in sorted(await self.redis.smembers(
+                Keys.held(run_id, row["id"]))) if await self.ledger.revoke(rid)]
+            self.metrics.revocations.labels("engine_stuck").inc(len(revoked))
+            self.metrics.stuck_engines.inc()
+            log.warning("instance %s: engine stuck at decode step %d for %.1fs while holding "
+                        "work; drained, %d responses move", row["id"], row["decode_steps"],
+                        now - row["steps_at"], len(revoked))
+            drained.append((row["id"], revoked))
+        return drained
 
     async def _await_commits(self, rel: Release) -> None:
         """A leaving instance flushed its tokens to the stream before releasing: let the chunk

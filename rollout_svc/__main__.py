@@ -39,6 +39,8 @@ def build(cfg: RolloutConfig) -> list[RolloutService]:
             options["threads"] = c.common.torch_threads
         if c.engine == "emu":
             options["time_scale"] = c.common.emu_time_scale
+            options.update(stall_after_s=c.emu_stall_after_s, slow_after_s=c.emu_slow_after_s,
+                           slow_factor=c.emu_slow_factor)
             options.update(model.engine_options())
             if c.kind == "reserved":
                 # A reserved instance shares GPUs with the trainer that just produced the

@@ -203,7 +203,7 @@ class RolloutService:
                   for r, i in self.inflight.items()]
             + [Held(request_id=r, epoch=e) for r, e in self.finished.items()],
             capacity=self.cfg.max_batch, pid=os.getpid(), metrics_port=self.metrics_port,
-            session=self.session,
+            session=self.session, decode_steps=self.engine.decode_steps,
         )
 
     async def _heartbeat_loop(self) -> None:

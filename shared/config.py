@@ -161,6 +161,18 @@ class ManagerConfig(Settings):
     rebalance_skew: int = setting(
         "RLBOOST_REBALANCE_SKEW", 2, "move work when the busiest instance has this many more "
         "responses than the idlest (0 = never)", ge=0)
+    # Far above a healthy gap between two commits of a lease (chunk_tokens decode steps: ~0.1 s
+    # on an emulated H100; the CPU engine's wave a new lease waits behind, seconds on the
+    # embedded models; a resumed lease's re-prefill of a 32k context ~1 s), and above a Redis
+    # or NATS restart, so only a hung or 100x-slowed engine meets it. It bounds what one hung
+    # instance adds to a step (docs/invariants.md, "Hung and slow instances").
+    progress_timeout_s: float = setting(
+        "RLBOOST_PROGRESS_TIMEOUT_S", 30.0, "a lease that commits nothing this long while its "
+        "holder heartbeats is revoked and its response migrates; an instance whose engine "
+        "does not advance this long while holding work is drained; near a step's end a "
+        "quarter of it (at least two instance TTLs) moves a lagging response to an idle "
+        "instance. A hung instance adds at most about this + an instance TTL + 1 s + one "
+        "response's regeneration to a step", ge=0.5)
     # Off is the ablation of pull-based weights: as if they were pushed at step boundaries.
     midstep_join: Annotated[bool, BeforeValidator(_on_off)] = setting(
         "RLBOOST_MIDSTEP_JOIN", "on", "on: an instance joining mid-step takes work at once; "
@@ -281,6 +293,16 @@ class RolloutConfig(Settings):
     instances: int = setting(
         "RLBOOST_EMU_INSTANCES", 1, "emu: instances served by this one process (ids get -0, "
         "-1, ...)", ge=1)
+    emu_stall_after_s: float | None = setting(
+        "RLBOOST_EMU_STALL_AFTER_S", None, "emu, fault tests: after this many seconds of "
+        "generating the engine stops producing tokens while the process keeps heartbeating "
+        "(a hung GPU); unset = never", ge=0.0)
+    emu_slow_after_s: float | None = setting(
+        "RLBOOST_EMU_SLOW_AFTER_S", None, "emu, fault tests: after this many seconds of "
+        "generating every modelled decode step takes RLBOOST_EMU_SLOW_FACTOR times as long "
+        "(an overloaded host); unset = never", ge=0.0)
+    emu_slow_factor: float = setting(
+        "RLBOOST_EMU_SLOW_FACTOR", 1000.0, "emu: that slow-down", ge=1.0)
     emu_model: str = setting(
         "RLBOOST_EMU_MODEL", "emu-8b", "emu: serving-cost preset (rollout_svc.engines.emu_models)")
 

@@ -99,6 +99,7 @@ class Heartbeat(Msg):
     # work must not re-register it, while a restart under the same id must be let in.
     session: Short = ""
     protocol: Count = PROTOCOL_VERSION  # the sender's PROTOCOL_VERSION (absent: 0, before it)
+    decode_steps: Count = 0  # the engine's completed decode steps (monotonic; 0 = unknown)
 
 
 class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -23,7 +23,9 @@ for i = 4, #ARGV do
     -- Committed tokens made by another instance: this lease moves the response.
     local n = tonumber(st[2])
     if n > 0 and st[3] ~= inst then migrations = migrations + 1 end
-    redis.call('HSET', req, 'owner', inst, 'assigned_at', now)
+    -- A fresh lease counts as progress: the no-progress check (stalled_leases.lua) measures from
+    -- here until its first commit.
+    redis.call('HSET', req, 'owner', inst, 'assigned_at', now, 'progress_at', now)
     take_legacy_tokens(req, st[4])
     local tokens = ''
     if n > 0 then tokens = redis.call('GET', req .. TOKENS) or '' end

@@ -6,13 +6,20 @@
 -- released its work either lands first (and is then forgotten by the release) or finds the
 -- departure mark and is refused, so a leaver never reappears as alive.
 -- KEYS: instance, instances, departed, identity (auth callout), active
--- ARGV: fields (JSON list of alternating names and values), ttl_ms, session, instance id, now
+-- ARGV: fields (JSON list of alternating names and values), ttl_ms, session, instance id, now,
+-- the engine's decode steps, '1' if the instance reports holding work
 -- Returns false if the process left, else the active run's id ('' none; whether it still runs
 -- is beat_run.lua's to read: activating the next one is RunStore.active's).
 local departed = redis.call('GET', KEYS[3])
 if ARGV[3] ~= '' and departed == ARGV[3] then return false end
-if redis.call('HGET', KEYS[1], 'session') ~= ARGV[3] then
+local fresh = redis.call('HGET', KEYS[1], 'session') ~= ARGV[3]
+if fresh then
   redis.call('HSET', KEYS[1], 'joined_at', ARGV[5])  -- a new process under this id
+end
+-- Engine liveness: steps_at is when its decode-step count last moved while it held work. An
+-- idle engine has nothing to advance: its clock starts again each beat it holds nothing.
+if fresh or ARGV[7] ~= '1' or redis.call('HGET', KEYS[1], 'decode_steps') ~= ARGV[6] then
+  redis.call('HSET', KEYS[1], 'decode_steps', ARGV[6], 'steps_at', ARGV[5])
 end
 redis.call('HSET', KEYS[1], unpack(cjson.decode(ARGV[1])))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])

@@ -65,7 +65,8 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
     redis.call('APPEND', req .. TOKENS, n == 0 and tokens or (',' .. tokens))
     wrote(req .. TOKENS)
     n = n + ntok
-    redis.call('HSET', req, 'n', n)
+    -- When the lease last moved: the no-progress check (stalled_leases.lua) reads it.
+    redis.call('HSET', req, 'n', n, 'progress_at', now)
     count(step, 'tokens', ntok)
     count(step, 'tokens_' .. kind, ntok)
     firsts[step .. '|' .. kind] = {step, kind .. '_first_at'}

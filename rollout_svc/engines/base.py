@@ -84,6 +84,10 @@ class EngineUnavailable(EngineError, NotImplementedError):
 
 class Engine(Protocol):
     name: str
+    # Completed decode steps since the process started, monotonic; 0 = none yet or unknown
+    # (an engine that cannot tell). The heartbeat carries it: a count that stops while the
+    # instance holds work is a hung engine (the manager drains it).
+    decode_steps: int
 
     def load(self, model_dir: Path | None, run_id: str, version: int) -> None: ...
 

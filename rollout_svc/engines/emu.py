@@ -23,6 +23,10 @@ nothing about NATS; it's purely token id sequences.
   waiting for a core when many processes share few) is measured and logged every
   ``HOST_LOG_STEPS`` busy steps, in emulated ms (:class:`HostMeter`): how far the emulation
   runs behind its own model (``make bench-sim-check`` prints it beside the simulator's fit).
+* Faults (tests only): ``stall_after_s`` seconds after its first decode step the engine stops
+  producing tokens for good (a hung GPU: its steps return nothing and ``decode_steps`` stops,
+  while its process goes on heartbeating); ``slow_after_s`` seconds after it, every modelled
+  step takes ``slow_factor`` times as long (an overloaded host).
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ LEN_SIGMA = 1.0
 
 
 HOST_LOG_STEPS = 200
+# How long a hung engine's step() waits before it returns nothing: the service's loop calls it
+# again at once while work is queued, and this keeps that loop from spinning a core.
+STALL_POLL_S = 0.05
 
 
 @dataclass(slots=True)
@@ -138,6 +145,9 @@ class EmuEngine:
         max_len_cap: int | None = None,
         len_sigma: float = LEN_SIGMA,
         load_s: float = LOAD_S,
+        stall_after_s: float | None = None,
+        slow_after_s: float | None = None,
+        slow_factor: float = 1.0,
     ) -> None:
         if time_scale < 0 or max_batch < 1 or vocab_size <= _FIRST_TOKEN + 1 or len_sigma <= 0:
             raise EngineError("bad emu engine options")
@@ -151,6 +161,12 @@ class EmuEngine:
         self.max_len_cap = max_len_cap  # a natural length never exceeds this (ends in EOS)
         self.len_sigma = len_sigma
         self.load_s = load_s
+        self.stall_after_s = stall_after_s
+        self.slow_after_s = slow_after_s
+        self.slow_factor = slow_factor
+        self.decode_steps = 0  # completed decode steps: the heartbeat's sign of life
+        self._serving_since: float | None = None  # monotonic time of the first decode step
+        self._interrupt = threading.Event()  # set by drain(): a slowed step ends at once
         self._loaded: tuple[str, int] | None = None
         self._inbox = Inbox()
         self._queue: deque[GenRequest] = deque()  # waiting for a free batch slot
@@ -220,7 +236,9 @@ class EmuEngine:
         return busy
 
     def drain(self) -> list[str]:
+        self._interrupt.set()
         with self._stepping:
+            self._interrupt.clear()
             ids = list(self._active) + [r.request_id for r in self._queue]
             ids += self._inbox.clear()
             self._active.clear()
@@ -244,10 +262,19 @@ class EmuEngine:
                     req, len(req.committed_token_ids), self.natural_length(req)
                 )
             if self._active:
+                if self._stalled():
+                    time.sleep(STALL_POLL_S)  # hung: nothing comes out, nothing advances
+                    return []
+                slowdown = self._slowdown()
                 modelled = (self.prefill_s_per_token * prefill_tokens + self.decode_s_base
-                            + self.decode_s_per_seq * len(self._active))
-                self._sleep(modelled)
+                            + self.decode_s_per_seq * len(self._active)) * slowdown
+                if slowdown > 1.0:
+                    # Minutes a step at 10,000x: drain() cuts it short, so the process can leave.
+                    self._interrupt.wait(self.time_scale * modelled)
+                else:
+                    self._sleep(modelled)
                 self.host.slept(self.time_scale * modelled)
+                self.decode_steps += 1
             for request_id, act in list(self._active.items()):
                 event = self.event_at(act.req, act.position, act.length)
                 events.append(event)
@@ -258,6 +285,20 @@ class EmuEngine:
             if not self._active:
                 self.host.idle()
         return [e for e in events if e.request_id not in late]
+
+    def _serving_s(self) -> float:
+        """Wall seconds since the first decode step (the clock of the fault settings)."""
+        now = time.monotonic()
+        if self._serving_since is None:
+            self._serving_since = now
+        return now - self._serving_since
+
+    def _stalled(self) -> bool:
+        return self.stall_after_s is not None and self._serving_s() >= self.stall_after_s
+
+    def _slowdown(self) -> float:
+        slow = self.slow_after_s is not None and self._serving_s() >= self.slow_after_s
+        return self.slow_factor if slow else 1.0
 
     def _sleep(self, seconds: float) -> None:
         if self.time_scale > 0 and seconds > 0:

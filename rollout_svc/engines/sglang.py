@@ -82,6 +82,9 @@ class _StreamError(Exception):
 
 class SGLangEngine:
     name = "sglang"
+    # Unknown (0): the server's decode steps are not visible over its HTTP API; a hung server
+    # is found by the manager's per-lease progress check instead.
+    decode_steps = 0
 
     def __init__(
         self,

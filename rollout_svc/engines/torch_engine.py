@@ -90,6 +90,7 @@ class TorchEngine:
         self._queue: deque[GenRequest] = deque()
         self._wave: _Wave | None = None
         self._stepping = threading.Lock()  # step, drain and load never overlap
+        self.decode_steps = 0  # completed forward passes: the heartbeat's sign of life
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -175,8 +176,10 @@ class TorchEngine:
                 self._wave = None  # frees the cache
             if self._wave is None and self._queue:
                 events += self._prefill()
+                self.decode_steps += 1
             elif self._wave is not None:
                 events += self._decode()
+                self.decode_steps += 1
             late = self._inbox.late_aborts()
         return [e for e in events if e.request_id not in late]
 

@@ -287,6 +287,31 @@ async def test_expired_leases_are_those_nobody_renewed(ledger: Ledger) -> None:
     assert await ledger.expired_leases(RUN, 0) == [lapsed]
 
 
+async def test_stalled_leases_are_those_that_committed_nothing_for_the_bound(
+        ledger: Ledger) -> None:
+    """The progress check: a lease renewed by every heartbeat but committing nothing is
+    stalled; a commit (or a fresh grant) restarts its clock; a complete or revoked response
+    is no one's stalled lease."""
+    moving, hung, done, taken = (f"{RUN}:0:0:0", f"{RUN}:0:0:1", f"{RUN}:0:1:0", f"{RUN}:0:1:1")
+    leases = {rid: await ledger.assign(rid, inst, 1.0, 0, 2) for rid, inst in (
+        (moving, "i1"), (hung, "i2"), (done, "i1"), (taken, "i2"))}
+    epoch = {rid: lease.epoch for rid, lease in leases.items() if lease is not None}
+    assert len(epoch) == 4
+    assert await ledger.stalled_leases(RUN, 0, 0.25) == []  # just granted
+    assert await outcome(ledger, chunk(done, "i1", epoch[done], 0, [5, 2], final=True)) == "final"
+    assert await ledger.revoke(taken)
+    for offset in range(3):  # 0.45 s: commits for one, heartbeats alone for the other
+        await asyncio.sleep(0.15)
+        assert await outcome(ledger, chunk(moving, "i1", epoch[moving], offset, [7])) == "ok"
+        assert await ledger.renew_many("i1", [(moving, epoch[moving], 0)]) == []
+        assert await ledger.renew_many("i2", [(hung, epoch[hung], 0)]) == []
+    [(rid, owner, idle_s)] = await ledger.stalled_leases(RUN, 0, 0.25)
+    assert (rid, owner) == (hung, "i2") and 0.4 <= idle_s < 2.0
+    assert await ledger.stalled_leases(RUN, 0, 5.0) == []
+    await asyncio.sleep(0.3)  # and now the committing one has been quiet too
+    assert [r for r, _, _ in await ledger.stalled_leases(RUN, 0, 0.25)] == [moving, hung]
+
+
 async def test_heartbeat_renews_only_leases_it_owns(ledger: Ledger) -> None:
     mine, theirs = f"{RUN}:0:0:0", f"{RUN}:0:0:1"
     a = await ledger.assign(mine, "i1", 1.0, 0, 2)

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from manager_svc.accounting import Ledger
@@ -162,3 +163,37 @@ async def test_a_release_hands_back_only_the_senders_own_leases(
     assert metrics.get_sample_value("rlboost_foreign_releases_total") == 1
     # The manager's own decisions (load balancing, a dead holder) still take any lease back.
     assert await ledger.revoke(theirs, b.epoch)
+
+
+async def test_an_engine_that_stops_while_holding_work_is_drained_until_it_moves(
+        parts: tuple[Registry, str]) -> None:
+    """Beats carry the engine's decode steps: a count that stays put while the instance holds
+    work ages; past the bound the instance is drained (its leases revoked, counted, ``draining``
+    until its count moves); an idle engine's count does not age at all."""
+    registry, run_id = parts
+    (mine, a), _ = await leased_to_i1_and_i2(registry.ledger, run_id)
+    held = [Held(request_id=mine, epoch=a.epoch)]
+
+    async def beat_and_drain(steps: int, work: list[Held]) -> list[tuple[str, list[str]]]:
+        await registry.on_heartbeat(msgspec.structs.replace(
+            beat(work, run_id=run_id), decode_steps=steps))
+        return await registry.drain_stuck(await registry.instances(run_id), run_id, 0.3)
+
+    for _ in range(3):  # idle, its count unchanged: nothing ages
+        assert await beat_and_drain(7, []) == []
+        await asyncio.sleep(0.15)
+    assert await beat_and_drain(8, held) == []  # moving while it holds work
+    await asyncio.sleep(0.2)
+    assert await beat_and_drain(9, held) == []
+    await asyncio.sleep(0.35)  # stuck at 9, still holding: drained
+    assert await beat_and_drain(9, held) == [("i1", [mine])]
+    [row] = [r for r in await registry.instances(run_id) if r["id"] == "i1"]
+    assert row["state"] == "draining" and row["decode_steps"] == 9
+    assert registry.metrics.stuck_engines._value.get() == 1
+    assert await registry.ledger.r.sismember(Keys.pending(run_id, 0), mine)
+    await beat_and_drain(9, [])  # idle now, still at 9: still draining
+    assert [r["state"] for r in await registry.instances(run_id) if r["id"] == "i1"] == [
+        "draining"]
+    await beat_and_drain(10, [])  # its engine moved again: it may take work
+    assert [r["state"] for r in await registry.instances(run_id) if r["id"] == "i1"] == [
+        "ready"]

@@ -8,7 +8,9 @@ are faults that found nothing live to hit. Link faults (``cut``, ``blackhole``, 
 link, ``partition`` of half the spot instances) last a while and are then healed; after each
 heal the injector measures how long the run takes to move again (its step, or its step's
 committed tokens or responses) and, for a partition, whether every partitioned instance that
-still runs is registered again.
+still runs is registered again. Engine faults (``hang``, ``slow``: a new instance whose engine
+hangs, or slows 100-10,000x, once serving) are :mod:`tests.support.engine_faults`'s, counted
+when they hit work.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ import httpx
 from rlboost.launcher import Child, Cluster
 from rlboost.stack import Server, Stack
 from shared.ports import wait_port
+from tests.support.engine_faults import EngineFaults
 from tests.support.faultproxy import Link
 from tests.support.links import Links
 
 # Each process's links, by the kind name of the fault that hurts them.
+# Kinds whose injection is counted later, or never: a join is no fault, and an engine fault counts
+# once its instance is seen holding work after the fault began (tests.support.engine_faults).
+COUNTED_APART = ("join", "hang", "slow")
 LINK_CLASSES = {"rollout-nats": ("rollout", "nats"), "rollout-weights": ("rollout", "weights"),
                 "manager-redis": ("manager", "redis"), "manager-nats": ("manager", "nats"),
                 "trainer-nats": ("trainer", "nats")}
@@ -97,6 +103,8 @@ class Injector:
         self._gate = threading.Lock()  # held while a fault is injected
         self._next_id = 0
         self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.engines = EngineFaults(cluster, random.Random(seed + 1), self._instances,
+                                    self._engine_hit)
 
     # --- processes -------------------------------------------------------------------------
 
@@ -116,10 +124,17 @@ class Injector:
         except (httpx.HTTPError, ValueError):
             return []  # the manager is restarting, or its Redis unreachable (503)
 
+    def spared(self) -> list[Child]:
+        """Alive instances other faults may hit: not an engine fault's instance still on its
+        way to hitting work (killed first, its fault would find nothing)."""
+        alive = self.rollouts()
+        watched = self.engines.unresolved()
+        return [c for c in alive if c.name not in watched] or alive
+
     def busy_rollouts(self) -> list[Child]:
         """Alive instances that hold work now (a fault on an idle one proves little)."""
         busy = {i["id"] for i in self._instances() if i.get("held", 0) > 0}
-        alive = self.rollouts()
+        alive = self.spared()
         return [c for c in alive if c.name in busy] or alive
 
     def kill_rollout(self) -> bool:
@@ -136,12 +151,28 @@ class Injector:
 
     def join(self) -> bool:
         if len(self.rollouts()) >= 6:
-            self.rollouts()[0].signal(signal.SIGTERM)
+            self.spared()[0].signal(signal.SIGTERM)
         self._spare()
         return False  # a join, not a fault: counted in joins
 
+    def engine_fault(self, kind: str) -> bool:
+        """A new instance whose engine hangs or slows once serving; counted when it hits work
+        (:meth:`_engine_hit`)."""
+        if len(self.rollouts()) >= 6:
+            self.spared()[0].signal(signal.SIGTERM)
+        self._next_id += 1
+        self.engines.launch(kind, f"join-{kind}-{self._next_id}")
+        return False
+
+    def _engine_hit(self, kind: str, at: float) -> None:
+        run_id = self.run_id or self.target
+        if run_id:
+            self.faults.append(Fault(kind, at, run_id))
+        else:
+            self.missed[kind] += 1
+
     def zombie(self) -> bool:
-        victims = self.rollouts()
+        victims = self.spared()
         if len(victims) <= 1:
             return False
         victim = self.rng.choice(victims)
@@ -259,9 +290,14 @@ class Injector:
 
     def kinds(self) -> list[tuple[str, Callable[[], bool], float]]:
         process: list[tuple[str, Callable[[], bool], float]] = [
-            ("rollout_sigkill", self.kill_rollout, 0.16),
-            ("rollout_sigterm", self.preempt_rollout, 0.13),
-            ("join", self.join, 0.10),
+            ("rollout_sigkill", self.kill_rollout, 0.11),
+            ("rollout_sigterm", self.preempt_rollout, 0.08),
+            ("join", self.join, 0.04),
+            # An engine that hangs, or slows 100-10,000x, while its process heartbeats on: 16 %
+            # of injections, so that over 10 % of the counted faults are theirs (at 13 %, 5 of
+            # 60 were: some find no work before they are retired).
+            ("hang", lambda: self.engine_fault("hang"), 0.09),
+            ("slow", lambda: self.engine_fault("slow"), 0.07),
             ("zombie", self.zombie, 0.04),
             ("manager_sigkill", self.restart_manager, 0.05),
             ("nats_restart", self.restart_nats, 0.05),
@@ -286,7 +322,7 @@ class Injector:
                     at = time.time()
                     if fault():
                         self.faults.append(Fault(name, at, run_id))
-                    elif name != "join":
+                    elif name not in COUNTED_APART:
                         self.missed[name] += 1
                 except Exception as exc:  # a fault that could not be injected is a test defect
                     self.errors.append(f"{name}: {exc!r}")
@@ -312,3 +348,6 @@ class Injector:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(timeout=60)
+        self.engines.stop()
+        self.missed.update(self.engines.missed)
+        self.engines.missed.clear()  # stop() may come twice

@@ -203,3 +203,32 @@ def test_host_meter_counts_busy_steps_beyond_their_sleep(caplog: pytest.LogCaptu
     lines = [r.getMessage() for r in caplog.records if "emu host time" in r.getMessage()]
     assert lines == [f"emu host time {want:.3f} ms per decode step over {HOST_LOG_STEPS} steps"]
     assert meter.steps == 0 and meter.host_s == 0  # the block was logged and cleared
+
+
+def test_a_stalled_engine_stops_producing_and_counting_steps() -> None:
+    """RLBOOST_EMU_STALL_AFTER_S: after it, steps return nothing and the decode-step count the
+    heartbeat carries stops, while the requests stay queued (a hung GPU, not a crash)."""
+    engine = _engine(stall_after_s=0.15)
+    engine.add(_req(1, max_new_tokens=10_000))
+    assert engine.step() and engine.decode_steps == 1
+    time.sleep(0.2)
+    counted = engine.decode_steps
+    for _ in range(3):
+        assert engine.step() == []
+    assert engine.decode_steps == counted and engine.has_work()
+
+
+def test_a_slowed_engine_takes_factor_times_as_long_per_step_until_drained() -> None:
+    """RLBOOST_EMU_SLOW_AFTER_S and _FACTOR: the modelled step is multiplied; drain() cuts a
+    slowed step short so the process can still leave."""
+    engine = EmuEngine(time_scale=1.0, slow_after_s=0.0, slow_factor=1000.0)
+    engine.load(None, "run", 1)
+    engine.add(_req(1, max_new_tokens=10_000))
+    stepping = threading.Thread(target=engine.step)
+    started = time.monotonic()
+    stepping.start()
+    stepping.join(timeout=0.5)
+    assert stepping.is_alive()  # one step is >= 10 s now (10 ms base x 1000)
+    engine.drain()
+    stepping.join(timeout=2.0)
+    assert not stepping.is_alive() and time.monotonic() - started < 3.0
