@@ -116,7 +116,7 @@ async def test_a_backlog_commits_in_order_once_with_groups_before_the_barrier(
                 seen["max"], seen["commits"] = max(seen["max"], flight[0]), seen["commits"] + 1
                 try:
                     got = await commit(*args, **kwargs)
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.2)
                     return got
                 finally:
                     flight[0] -= 1
