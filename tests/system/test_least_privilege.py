@@ -58,6 +58,7 @@ LAPSED = "spot-9"  # the id whose binding lapses and passes to a newer process
 GARBAGE = 40  # forged entries its older connection sends: past RLBOOST_QUARANTINE_INVALID
 SPEC = {"model": "emu", "steps": 2, "prompts_per_step": 4, "samples_per_prompt": 2,
         "max_new_tokens": 96, "seed": 11}
+LONGER = {**SPEC, "steps": 3, "max_new_tokens": 192}  # on while the older connection tries
 
 
 @pytest.fixture
@@ -278,10 +279,19 @@ def bound_key(store: redis.Redis) -> str:
 
 
 async def older_tries(nc: nats.NATS, seed: str, newer: str, errors: list[str],
-                      store: redis.Redis, run_id: str) -> dict[str, bool]:
-    """What the older connection gets of the newer process's id: its assignments under any
-    key, a beat, a release that would forget the id (and revoke the newer one's work), and
-    garbage enough to quarantine the id, were it the newer process's."""
+                      store: redis.Redis, rid: str) -> dict[str, bool]:
+    """What the older connection gets of the newer process's id (``rid`` one of its
+    responses): garbage enough to quarantine the id, were it the newer process's, its
+    assignments under any key, a beat, a release that would forget the id (and revoke the
+    newer one's work)."""
+    garbage = TokenFrame(instance_id=LAPSED, entries=[FrameEntry.of(
+        request_id=rid, epoch=1, weight_version=0, offset=0, token_ids=[7])
+        for _ in range(GARBAGE)])
+    for entry in garbage.entries:
+        entry.mac = "0" * 64
+    run_id = rid.split(":", 1)[0]
+    await nc.jetstream().publish(names.chunk_subject(run_id, LAPSED, key_of(seed)),
+                                 encode(garbage), timeout=5)
     seen: dict[str, bool] = {}
     for subject in (names.assign_subject(LAPSED, newer), names.assign_subject(LAPSED, "*"),
                     f"{names.assign_subject(LAPSED)}.>"):
@@ -298,14 +308,7 @@ async def older_tries(nc: nats.NATS, seed: str, newer: str, errors: list[str],
         Release(instance_id=LAPSED, held=[], leaving=True, session="older")), timeout=5)).data,
         Ack)
     seen["release refused"] = not ack.ok
-    rid, _, epoch, version, n = live_lease(store, run_id)
-    garbage = TokenFrame(instance_id=LAPSED, entries=[FrameEntry.of(
-        request_id=rid, epoch=epoch, weight_version=version, offset=n, token_ids=[7])
-        for _ in range(GARBAGE)])
-    for entry in garbage.entries:
-        entry.mac = "0" * 64
-    await nc.jetstream().publish(names.chunk_subject(run_id, LAPSED, key_of(seed)),
-                                 encode(garbage), timeout=5)
+    seen["the run was on throughout"] = store.hget(Keys.run(run_id), "state") == "running"
     return seen
 
 
@@ -328,11 +331,11 @@ async def lapse_and_reuse(stack: Stack, cluster: Cluster, store: redis.Redis,
         await asyncio.sleep(0.1)
     newer = bound_key(store)
     assert newer != key_of(seed)
-    run_id = client.post("/v1/runs", json=SPEC).json()["id"]
-    while not store.scard(Keys.held(run_id, LAPSED)):
+    run_id = client.post("/v1/runs", json=LONGER).json()["id"]
+    while not (held := store.smembers(Keys.held(run_id, LAPSED))):
         assert time.monotonic() < end, "B was never assigned work"
         await asyncio.sleep(0.02)
-    seen = await older_tries(nc, seed, newer, errors, store, run_id)
+    seen = await older_tries(nc, seed, newer, errors, store, sorted(held)[0])
     seen["B keeps the id"] = bound_key(store) == newer == store.hget(Keys.instance(LAPSED), "fp")
     while (await asyncio.to_thread(client.get, f"/v1/runs/{run_id}")).json()["state"] \
             == "running" and time.monotonic() < end + 240:
@@ -355,10 +358,10 @@ def test_an_older_connection_reads_nothing_of_the_newer_process(locked: Stack,
         run_id, seen, got = asyncio.run(lapse_and_reuse(locked, cluster, store, client))
         final = wait_run(client, run_id, timeout_s=240, cluster=cluster)
         assert final["state"] == "succeeded", final
-        samples = check_run(client, run_id, SPEC, REWARD)
+        samples = check_run(client, run_id, LONGER, REWARD)
         for step, step_samples in samples.items():
             for sample in step_samples:
-                assert sample["response_token_ids"] == oracle(SPEC, sample, step), sample
+                assert sample["response_token_ids"] == oracle(LONGER, sample, step), sample
         assert any(LAPSED in s["instances"] for ss in samples.values() for s in ss)
         assert not any(LAPSED in w for w in final.get("warnings") or []), final
         steps = client.get(f"/v1/runs/{run_id}/steps").json()
