@@ -30,9 +30,9 @@ from nats.aio.client import Client as Nats
 from manager_svc.accounting import Ledger
 from manager_svc.events import InstanceEvents
 from manager_svc.metrics import ManagerMetrics
-from manager_svc.registry import assign_subjects
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
+from shared import names
 from shared.names import Keys
 from shared.protocol import Revoke, encode
 from shared.spec import engine_mismatch
@@ -76,27 +76,23 @@ class Quarantine:
         self.after = after  # dropped entries that quarantine their sender (0: never)
         self.ttl_ms = int(ttl_s * 1000)
         self.fail_s = fail_s
-        self._tally: dict[tuple[str, str, str], _Tally] = {}  # (run, instance, key)
+        self._tally: dict[tuple[str, str], _Tally] = {}
         self._models: dict[str, str] = {}  # run id -> its spec's model
         self._unserved: dict[str, float] = {}  # run id -> since when no instance serves it
         self._warned: set[tuple[str, str]] = set()  # (run id, warning) noted already
         for name in {name for _, name in LABELS} | {"other"}:
             metrics.rejected_entries.labels(name)
 
-    async def reject(self, run_id: str, instance_id: str, why: str, request_id: str,
-                     key: str = "") -> None:
+    async def reject(self, run_id: str, instance_id: str, why: str, request_id: str) -> None:
         """Ingest dropped an entry of ``instance_id`` in ``run_id`` (its subject's) for
-        ``why``: count it, log it now and then, and quarantine the sender at ``after``.
-        ``key``: the sender's key fingerprint its subject names (""  none). Entries are
-        tallied per key, and an id is quarantined only for those of the key its accepted
-        beats name: an older connection under the id (its binding lapsed, a newer process
-        logged in under it) cannot have the newer process quarantined."""
+        ``why``: count it, log it now and then, and quarantine the sender at ``after``."""
         self.metrics.rejected_entries.labels(label(why)).inc()
-        tally = self._tally.get((run_id, instance_id, key))
+        key = (run_id, instance_id)
+        tally = self._tally.get(key)
         if tally is None:
             if len(self._tally) >= TALLY_MAX:
                 self._tally.clear()
-            tally = self._tally[(run_id, instance_id, key)] = _Tally()
+            tally = self._tally[key] = _Tally()
         tally.total += 1
         tally.unlogged += 1
         now = time.monotonic()
@@ -105,8 +101,7 @@ class Quarantine:
                         tally.unlogged, "y" if tally.unlogged == 1 else "ies", instance_id,
                         run_id[:64], tally.total, request_id[:100], why)
             tally.unlogged, tally.logged_at = 0, now
-        if self.after and tally.total == self.after and (
-                not key or await self.r.hget(Keys.instance(instance_id), "fp") == key):
+        if self.after and tally.total == self.after:
             await self.impose(run_id, instance_id, f"{tally.total} invalid entries, the last: "
                               f"{why}", "invalid")
 
@@ -129,8 +124,8 @@ class Quarantine:
         revoked = [rid for rid in held if await self.ledger.revoke(rid)]
         if revoked:
             self.metrics.revocations.labels("quarantine").inc(len(revoked))
-            [subject] = await assign_subjects(self.r, [instance_id])
-            await self.nc.publish(subject, encode(Revoke(request_ids=revoked)))
+            await self.nc.publish(names.assign_subject(instance_id),
+                                  encode(Revoke(request_ids=revoked)))
         await self.runs.warn(run_id, f"instance {instance_id} quarantined: {reason}")
         await InstanceEvents(self.r, self.runs.archive).quarantined(run_id, instance_id, reason)
         self.soft.wake.set()  # its responses are pending again
