@@ -117,6 +117,11 @@ class EngineFaults:
             return {w.child.name for w in self.watched
                     if w.hit_at is None or (w.kind == "hang" and w.moved_s is None)}
 
+    def on_the_way(self) -> int:
+        """How many launched instances' faults have not yet hit work (nor missed it)."""
+        with self._lock:
+            return sum(w.hit_at is None for w in self.watched)
+
     def _retire(self, w: Watched) -> None:
         if w.hit_at is None:
             self.missed[w.kind] += 1  # it never held work once faulty: no fault

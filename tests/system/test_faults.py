@@ -260,6 +260,7 @@ def check_hangs(injector: Injector, counted: Counter[str]) -> None:
           f"hung instance <= {worst:.2f} + {regeneration_s():.2f}s regeneration = "
           f"{worst + regeneration_s():.2f}s, bound {HANG_DETECT_S + regeneration_s():.2f}s")
     assert counted["hang"] > 0, "no hang hit work"
+    assert engine >= 0.10 * counted.total(), counted  # issue 37: at least 10 % of a campaign
     assert all((w.moved_s or 0.0) <= HANG_DETECT_S for w in clear), [
         (w.child.name, w.moved_s) for w in clear]
 
