@@ -36,6 +36,14 @@ from shared.protocol import TOKEN_WIDTH, FrameEntry, TokenFrame
 # deriving its key again each time was a second HMAC per entry on the ingest path.
 KEY_CACHE = 1 << 16
 LOG_EVERY_S = 10.0  # at most one line per kind of dropped entry this often
+# The rejected_entries label of each reason this module gives, by how its text begins.
+LABELS = (("token id outside", "vocabulary"), ("negative offset", "offset"),
+          ("bytes of tokens", "partial_token"), ("bad MAC", "mac"),
+          ("run differs", "run"), ("instance differs", "instance"))
+
+
+def label(why: str) -> str:
+    return next((name for start, name in LABELS if why.startswith(start)), "other")
 log = logging.getLogger("manager")
 
 
@@ -107,9 +115,10 @@ def invalid(entry: FrameEntry, vocab_size: int, ids: list[int]) -> str | None:
 class Rejections:
     """Entries ingest drops (forged or invalid), counted and logged without a Redis round trip
     each: a hostile instance can send them as fast as it likes, and ingest is one loop. The
-    metrics count each at once; one warning line per kind per LOG_EVERY_S (with how many it
-    held back); a step's record counts them in one pipelined call per checked slice
-    (:meth:`flush`), and only for a step that exists (a forged id must not create a key)."""
+    metrics count each at once (by outcome, and by reason); one warning line per kind per
+    LOG_EVERY_S (with how many it held back); a step's record counts them in one pipelined
+    call per checked slice (:meth:`flush`), and only for a step that exists (a forged id must
+    not create a key). What quarantines their sender is the quarantine's own tally."""
 
     def __init__(self, redis: aioredis.Redis, metrics: ManagerMetrics) -> None:
         self.redis = redis
@@ -117,10 +126,13 @@ class Rejections:
         self._count = register(redis, "count_if_exists.lua")
         self._due: Counter[tuple[str, str]] = Counter()  # (step key, field) -> entries
         self._logs = {"forged": Throttled(log, LOG_EVERY_S), "invalid": Throttled(log, LOG_EVERY_S)}
+        for name in {name for _, name in LABELS} | {"other"}:
+            metrics.rejected_entries.labels(name)  # each reason shows, at 0, from the start
 
     def add(self, frame: TokenFrame, entry: FrameEntry, subject: str, result: str,
             why: str) -> None:
         self.metrics.chunks.labels(result).inc()
+        self.metrics.rejected_entries.labels(label(why)).inc()
         if result == "forged":
             self.metrics.forged.inc()
         self._logs[result].warning("%s entry of %s as %s on %s: %s", result,

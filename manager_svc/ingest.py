@@ -231,7 +231,7 @@ class ChunkIngest:
         self.rejects.add(frame, entry, subject, result, why)  # counted in Redis by check()
         parts = subject.split(".")  # rlb.chunk.<run>.<instance>: who sent it, where
         sender = parts[3] if len(parts) == 4 else frame.instance_id
-        await self.quarantine.reject(parts[2], sender, why, entry.request_id)
+        await self.quarantine.reject(parts[2], sender, why)
 
     async def _vocab_size(self, scope: str) -> int:
         """The vocabulary size of step ``scope`` ("<run>:<step>"), read once per step."""

@@ -7,21 +7,20 @@ the ledger (so fencing drops whatever it still sends for them), tells it to stop
 notes the reason among the run's warnings and events; the registry lists the instance as
 ``state: "quarantined"`` with its ``reason``, and the dispatcher leases it nothing.
 
-Two causes. Ingest :meth:`Quarantine.reject` counts every entry it drops before a commit (bad
-MAC, bad offset, a token id outside the vocabulary: :mod:`manager_svc.chunk_auth`), per reason
-in a Prometheus counter and per (run, instance) here; ``after`` of them in a run quarantine
-the sender. Each instance's drops are logged once, then summed every LOG_EVERY_S, not a line
-each. The dispatcher's :meth:`Quarantine.screen` quarantines an instance whose engine cannot
-serve the run's model at all (:func:`shared.spec.engine_mismatch`) before it is leased
-anything, and :meth:`Quarantine.watch` puts in the run's record that no instance can serve it,
-and fails the run, naming why, once that has lasted ``fail_s``.
+Two causes. Ingest tells :meth:`Quarantine.reject` of every entry it drops before a commit (bad
+MAC, bad offset, a token id outside the vocabulary), which tallies them per (run, instance):
+``after`` of them in a run quarantine the sender. Counting them in metrics and the step's
+record, and logging them, is :class:`manager_svc.chunk_auth.Rejections`' alone. The dispatcher's
+:meth:`Quarantine.screen` quarantines an instance whose engine cannot serve the run's model at
+all (:func:`shared.spec.engine_mismatch`) before it is leased anything, and
+:meth:`Quarantine.watch` puts in the run's record that no instance can serve it, and fails the
+run, naming why, once that has lasted ``fail_s``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -38,31 +37,11 @@ from shared.protocol import Revoke, encode
 from shared.spec import engine_mismatch
 
 log = logging.getLogger("manager")
-LOG_EVERY_S = 10.0  # an instance's dropped entries are summed in one log line this often
 # With no instance registered at all the run waits (spot machines come and go) but says so
 # after this long; with instances that all are quarantined it says so after WARN_S.
 NONE_WARN_S, WARN_S = 30.0, 5.0
 TALLY_MAX = 4096  # (run, instance) pairs whose drops are counted in memory
 REASONS_SHOWN = 4  # instances named in a warning or error (then "and N more")
-# The rejected_entries label of each reason chunk_auth gives, by how its text begins.
-LABELS = (("token id outside", "vocabulary"), ("negative offset", "offset"),
-          ("bytes of tokens", "partial_token"), ("bad MAC", "mac"),
-          ("run differs", "run"), ("instance differs", "instance"))
-
-
-def label(why: str) -> str:
-    return next((name for start, name in LABELS if why.startswith(start)), "other")
-
-
-@dataclass(slots=True)
-class _Tally:
-    """Entries of one instance dropped in one run."""
-
-    total: int = 0
-    unlogged: int = 0  # since the last log line
-    logged_at: float = float("-inf")
-
-
 class Quarantine:
     def __init__(self, redis: aioredis.Redis, nc: Nats, ledger: Ledger, runs: RunStore,
                  metrics: ManagerMetrics, soft: SoftState, after: int = 16,
@@ -76,34 +55,21 @@ class Quarantine:
         self.after = after  # dropped entries that quarantine their sender (0: never)
         self.ttl_ms = int(ttl_s * 1000)
         self.fail_s = fail_s
-        self._tally: dict[tuple[str, str], _Tally] = {}
+        self._tally: dict[tuple[str, str], int] = {}  # (run, instance) -> entries dropped
         self._models: dict[str, str] = {}  # run id -> its spec's model
         self._unserved: dict[str, float] = {}  # run id -> since when no instance serves it
         self._warned: set[tuple[str, str]] = set()  # (run id, warning) noted already
-        for name in {name for _, name in LABELS} | {"other"}:
-            metrics.rejected_entries.labels(name)
 
-    async def reject(self, run_id: str, instance_id: str, why: str, request_id: str) -> None:
+    async def reject(self, run_id: str, instance_id: str, why: str) -> None:
         """Ingest dropped an entry of ``instance_id`` in ``run_id`` (its subject's) for
-        ``why``: count it, log it now and then, and quarantine the sender at ``after``."""
-        self.metrics.rejected_entries.labels(label(why)).inc()
+        ``why``: tally it, and quarantine the sender at ``after``."""
         key = (run_id, instance_id)
-        tally = self._tally.get(key)
-        if tally is None:
-            if len(self._tally) >= TALLY_MAX:
-                self._tally.clear()
-            tally = self._tally[key] = _Tally()
-        tally.total += 1
-        tally.unlogged += 1
-        now = time.monotonic()
-        if now - tally.logged_at >= LOG_EVERY_S:
-            log.warning("dropped %d entr%s of %s in run %s (%d in all), the last %s: %s",
-                        tally.unlogged, "y" if tally.unlogged == 1 else "ies", instance_id,
-                        run_id[:64], tally.total, request_id[:100], why)
-            tally.unlogged, tally.logged_at = 0, now
-        if self.after and tally.total == self.after:
-            await self.impose(run_id, instance_id, f"{tally.total} invalid entries, the last: "
-                              f"{why}", "invalid")
+        if key not in self._tally and len(self._tally) >= TALLY_MAX:
+            self._tally.clear()
+        total = self._tally[key] = self._tally.get(key, 0) + 1
+        if self.after and total == self.after:
+            await self.impose(run_id, instance_id, f"{total} invalid entries, the last: {why}",
+                              "invalid")
 
     async def impose(self, run_id: str, instance_id: str, reason: str, cause: str) -> bool:
         """Give ``instance_id`` no more work in ``run_id``; whether it was not already so.
