@@ -14,9 +14,14 @@ instance's id (a takeover is refused, not granted by cutting the older connectio
 has no system account to cut connections with, and granting would let any rollout credential
 cut any instance off), and the registry takes the kind from it rather than from heartbeats.
 The user JWT it issues allows exactly the subjects of :func:`shared.names.rollout_permissions`
-for that one id, with bounded payload, subscriptions and data. A refusal is answered with the
-reason (the server logs it; the client sees an authorization violation), counted and logged
-rate-limited; nothing about a credential is logged.
+for that one id and that key's fingerprint, with bounded payload, subscriptions and data. A
+binding lapses with its instance (declared dead, its work revoked), and the dead process may
+still be connected: a newer process then logs in under the id with a key of its own, and the
+older connection, allowed its own key's subjects only, reads none of the newer one's
+assignments and speaks in none of its beats, releases or chunks (cutting it off would take a
+system account). A refusal is answered with the reason (the server logs it; the client sees an
+authorization violation), counted and logged rate-limited; nothing about a credential is
+logged.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ class AuthCallout:
             refusal = "state store unavailable, try again"
             log.warning("auth callout: %s", exc)
         if refusal is None:
-            publish, subscribe = names.rollout_permissions(request.name)
+            publish, subscribe = names.rollout_permissions(request.name,
+                                                           names.fingerprint(request.nkey))
             user = identity.user_jwt(self._seed, request.user_nkey, request.name, publish,
                                      subscribe)
             reply = identity.authorization_response(self._seed, request, user)

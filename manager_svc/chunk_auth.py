@@ -76,10 +76,9 @@ class ChunkAuth:
 
     @staticmethod
     def forged_frame(frame: TokenFrame, subject: str) -> str | None:
-        """Why ``frame``, published on ``subject`` (rlb.chunk.<run>.<instance>), is not from
-        the instance it names; None if it may be."""
-        parts = subject.split(".")
-        if len(parts) != 4 or parts[3] != frame.instance_id:
+        """Why ``frame``, published on ``subject`` (rlb.chunk.<run>.<instance>[.<key>]), is
+        not from the instance it names; None if it may be."""
+        if names.chunk_sender(subject)[0] != frame.instance_id:
             return "instance differs from its subject"
         return None
 

@@ -36,7 +36,7 @@ from manager_svc.placement import (
     spot_count,
     takers,
 )
-from manager_svc.registry import RELEASE_COMMIT_WAIT_S, Registry
+from manager_svc.registry import RELEASE_COMMIT_WAIT_S, Registry, assign_subjects
 from manager_svc.runs import RunStore
 from manager_svc.seeding import SeedingState, retarget
 from manager_svc.soft_state import SoftState
@@ -214,8 +214,7 @@ class Dispatcher:
         for instance_id, rids in await self.registry.drain_stuck(
                 list(everyone.values()), active.run_id, bound):
             if rids:
-                await self.nc.publish(names.assign_subject(instance_id),
-                                      encode(Revoke(request_ids=rids)))
+                await self._tell(instance_id, Revoke(request_ids=rids))
         for rid, owner, idle_s in await self.ledger.stalled_leases(
                 active.run_id, active.step, bound):
             reports = bool(everyone.get(owner, {}).get("decode_steps"))
@@ -310,8 +309,7 @@ class Dispatcher:
         flush_at = step.info.get("handoff_flush_at")
         if flush_at is None:
             for instance_id, rids in held.items():
-                await self.nc.publish(names.assign_subject(instance_id),
-                                      encode(Revoke(request_ids=rids, flush=True)))
+                await self._tell(instance_id, Revoke(request_ids=rids, flush=True))
             await self.redis.hset(skey, "handoff_flush_at", time.time())
             self.crash.reach(HANDOFF_FLUSH)
             return
@@ -362,12 +360,12 @@ class Dispatcher:
         for (instance_id, _), got in zip(plan, leased, strict=True):
             batches.setdefault(instance_id, []).extend(got)
         sent = 0
-        for instance_id, batch in batches.items():
-            if batch:
-                self.metrics.assignments.inc(len(batch))
-                await self.nc.publish(names.assign_subject(instance_id),
-                                      encode(Assign(items=batch)))
-                sent += len(batch)
+        batches = {i: batch for i, batch in batches.items() if batch}
+        subjects = await assign_subjects(self.redis, list(batches))
+        for subject, batch in zip(subjects, batches.values(), strict=True):
+            self.metrics.assignments.inc(len(batch))
+            await self.nc.publish(subject, encode(Assign(items=batch)))
+            sent += len(batch)
         return sent, bool(queue)
 
     async def _rebalance(self, step: ActiveStep, ready: list[Instance]) -> None:
@@ -404,6 +402,9 @@ class Dispatcher:
         moved = [rid for rid in rids if await self.ledger.revoke(rid)]
         if moved:
             self.metrics.revocations.labels(reason).inc(len(moved))
-            await self.nc.publish(names.assign_subject(instance_id),
-                                  encode(Revoke(request_ids=moved)))
+            await self._tell(instance_id, Revoke(request_ids=moved))
         return moved
+
+    async def _tell(self, instance_id: str, command: Revoke) -> None:
+        [subject] = await assign_subjects(self.redis, [instance_id])
+        await self.nc.publish(subject, encode(command))

@@ -31,9 +31,9 @@ from nats.aio.client import Client as Nats
 from manager_svc.accounting import Ledger, StepRefused
 from manager_svc.ingest import ChunkIngest
 from manager_svc.metrics import ManagerMetrics
+from manager_svc.registry import assign_subjects
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
-from shared import names
 from shared.protocol import Ack, Revoke, StepClose, StepExtend, encode
 
 log = logging.getLogger("manager")
@@ -87,9 +87,10 @@ class DynamicSteps:
         by_owner: dict[str, list[str]] = defaultdict(list)
         for owner, rid in aborted:
             by_owner[owner].append(rid)
-        for owner, rids in by_owner.items():
+        subjects = await assign_subjects(self.ledger.r, list(by_owner))
+        for subject, rids in zip(subjects, by_owner.values(), strict=True):
             self.metrics.revocations.labels("dynamic_sampling").inc(len(rids))
-            await self.nc.publish(names.assign_subject(owner), encode(Revoke(request_ids=rids)))
+            await self.nc.publish(subject, encode(Revoke(request_ids=rids)))
         log.info("step %d of %s closed: %d groups kept, %d filtered, %d responses aborted "
                  "(%d tokens discarded)%s", msg.step, msg.run_id, len(msg.keep),
                  len(msg.filtered), len(aborted), discarded,

@@ -229,9 +229,10 @@ class ChunkIngest:
     async def _reject(self, frame: TokenFrame, entry: FrameEntry, subject: str, result: str,
                       why: str) -> None:
         self.rejects.add(frame, entry, subject, result, why)  # counted in Redis by check()
-        parts = subject.split(".")  # rlb.chunk.<run>.<instance>: who sent it, where
-        sender = parts[3] if len(parts) == 4 else frame.instance_id
-        await self.quarantine.reject(parts[2], sender, why)
+        # rlb.chunk.<run>.<instance>[.<key>]: who sent it, where
+        sender, key = names.chunk_sender(subject)
+        await self.quarantine.reject(subject.split(".")[2], sender or frame.instance_id, why,
+                                     key)
 
     async def _vocab_size(self, scope: str) -> int:
         """The vocabulary size of step ``scope`` ("<run>:<step>"), read once per step."""

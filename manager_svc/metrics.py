@@ -110,3 +110,9 @@ class ManagerMetrics:
             "rlboost_protocol_refused_total", "Heartbeats refused for another protocol version",
             registry=self.registry,
         )
+        self.superseded = Counter(
+            "rlboost_superseded_messages_total", "Heartbeats and releases refused because "
+            "their sender's key does not hold their instance id (an older connection under "
+            "the id, or an image that names no key), by message", ["message"],
+            registry=self.registry,
+        )

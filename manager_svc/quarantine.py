@@ -29,9 +29,9 @@ from nats.aio.client import Client as Nats
 from manager_svc.accounting import Ledger
 from manager_svc.events import InstanceEvents
 from manager_svc.metrics import ManagerMetrics
+from manager_svc.registry import assign_subjects
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
-from shared import names
 from shared.names import Keys
 from shared.protocol import Revoke, encode
 from shared.spec import engine_mismatch
@@ -55,19 +55,24 @@ class Quarantine:
         self.after = after  # dropped entries that quarantine their sender (0: never)
         self.ttl_ms = int(ttl_s * 1000)
         self.fail_s = fail_s
-        self._tally: dict[tuple[str, str], int] = {}  # (run, instance) -> entries dropped
+        self._tally: dict[tuple[str, str, str], int] = {}  # (run, instance, key) -> dropped
         self._models: dict[str, str] = {}  # run id -> its spec's model
         self._unserved: dict[str, float] = {}  # run id -> since when no instance serves it
         self._warned: set[tuple[str, str]] = set()  # (run id, warning) noted already
 
-    async def reject(self, run_id: str, instance_id: str, why: str) -> None:
+    async def reject(self, run_id: str, instance_id: str, why: str, key: str = "") -> None:
         """Ingest dropped an entry of ``instance_id`` in ``run_id`` (its subject's) for
-        ``why``: tally it, and quarantine the sender at ``after``."""
-        key = (run_id, instance_id)
-        if key not in self._tally and len(self._tally) >= TALLY_MAX:
+        ``why``: tally it, and quarantine the sender at ``after``. ``key``: the sender's key
+        fingerprint its subject names ("" none). Entries are tallied per key, and an id is
+        quarantined only for those of the key its accepted beats name: an older connection
+        under the id (its binding lapsed, a newer process logged in under it) cannot have the
+        newer process quarantined."""
+        tally = (run_id, instance_id, key)
+        if tally not in self._tally and len(self._tally) >= TALLY_MAX:
             self._tally.clear()
-        total = self._tally[key] = self._tally.get(key, 0) + 1
-        if self.after and total == self.after:
+        total = self._tally[tally] = self._tally.get(tally, 0) + 1
+        if self.after and total == self.after and (
+                not key or await self.r.hget(Keys.instance(instance_id), "fp") == key):
             await self.impose(run_id, instance_id, f"{total} invalid entries, the last: {why}",
                               "invalid")
 
@@ -90,8 +95,8 @@ class Quarantine:
         revoked = [rid for rid in held if await self.ledger.revoke(rid)]
         if revoked:
             self.metrics.revocations.labels("quarantine").inc(len(revoked))
-            await self.nc.publish(names.assign_subject(instance_id),
-                                  encode(Revoke(request_ids=revoked)))
+            [subject] = await assign_subjects(self.r, [instance_id])
+            await self.nc.publish(subject, encode(Revoke(request_ids=revoked)))
         await self.runs.warn(run_id, f"instance {instance_id} quarantined: {reason}")
         await InstanceEvents(self.r, self.runs.archive).quarantined(run_id, instance_id, reason)
         self.soft.wake.set()  # its responses are pending again

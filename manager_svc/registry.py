@@ -10,6 +10,15 @@ barred, so a late beat cannot bring it back), or silence (its hash expires and
 :meth:`Registry.reap_dead` takes its work back). Either way its responses go back to the
 pending set through the ledger's revoke, and continue elsewhere from the last committed
 token.
+
+With the auth callout on, an instance's heartbeats and releases come on subjects that name its
+key (:func:`shared.names.fingerprint`), and only those under the key its id is bound to count:
+one under another key comes from an older connection under the id, whose process was declared
+dead (its binding lapsed) while it stayed connected, and is refused (the instance is answered
+with a :class:`~shared.protocol.Refused` and stops). Assignments go to the key an accepted beat
+named (:func:`assign_subjects`). (A refused beat's part in its run, sent with its registration
+to save a round trip, may still renew leases the id holds, the newer process's, and note its
+session in the run's events; it never registers the instance and is never assigned anything.)
 """
 
 from __future__ import annotations
@@ -30,10 +39,11 @@ from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.scripts import Call, register, run_batch
 from manager_svc.soft_state import SoftState
+from shared import names
 from shared.config import ManagerConfig
 from shared.logs import Throttled
 from shared.names import Keys
-from shared.protocol import Ack, Heartbeat, HeartbeatReply, Release, Target
+from shared.protocol import Ack, Heartbeat, HeartbeatReply, Refused, Release, Target
 
 log = logging.getLogger("manager")
 # An assignment the instance has not confirmed in a heartbeat after this long is taken back.
@@ -42,6 +52,17 @@ LOST_ASSIGNMENT_S = 1.5
 RELEASE_COMMIT_WAIT_S = 3.0
 # How long a released session stays barred: far longer than any beat can sit in flight.
 DEPARTED_TTL_MS = 60_000
+
+
+async def assign_subjects(redis: aioredis.Redis, instance_ids: list[str]) -> list[str]:
+    """Where each instance reads its assignments and revocations: its id's subject under the
+    key fingerprint its accepted beats named (none: the bare id's, no callout's login may read
+    it), in one round trip."""
+    pipe = redis.pipeline(transaction=False)
+    for instance_id in instance_ids:
+        pipe.hget(Keys.instance(instance_id), "fp")
+    fps = await pipe.execute() if instance_ids else []
+    return [names.assign_subject(i, fp or "") for i, fp in zip(instance_ids, fps, strict=True)]
 
 
 def stuck_mark(info: dict[str, str]) -> str:
@@ -64,6 +85,7 @@ class Registry:
         self._beat = register(redis, "beat.lua")
         self._beat_run = register(redis, "beat_run.lua")
         self._claims = Throttled(log)
+        self._stale = Throttled(log)
 
     async def _credential_kind(self, hb: Heartbeat) -> Heartbeat:
         """``hb`` with the kind its sender's credential gives it: with the auth callout on, a
@@ -79,14 +101,39 @@ class Registry:
                              "served as spot", hb.instance_id)
         return msgspec.structs.replace(hb, kind="spot")
 
-    async def on_heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
+    def _superseded(self, message: str, instance_id: str, key: str) -> str:
+        """Count and log (rate-limited) a ``message`` refused because another key holds its
+        instance id; what the sender is told."""
+        self.metrics.superseded.labels(message).inc()
+        why = ("names no key: an image older than the manager's release" if not key else
+               "comes from a key that no longer holds the id (a newer process logged in "
+               "under it)")
+        self._stale.warning("%s of instance %s refused: it %s", message, instance_id, why)
+        return f"the {message} of instance {instance_id} {why}"
+
+    async def _keyless(self, message: str, instance_id: str, key: str) -> str | None:
+        """Why a ``message`` (a release) from the process of key fingerprint ``key`` is
+        refused, None if it is not: with the callout on, only under the key its id is bound
+        to (or any, while no process holds the id)."""
+        if self.cfg.issuer_seed is None:
+            return None
+        if key:
+            bound = await self.redis.get(Keys.identity(instance_id))
+            if bound is None or names.fingerprint(str(bound).partition(":")[2]) == key:
+                return None
+        return self._superseded(message, instance_id, key)
+
+    async def on_heartbeat(self, hb: Heartbeat, key: str = "") -> HeartbeatReply | Refused:
+        """``key``: the fingerprint of the sender's key its subject names ("" none)."""
+        if not key and self.cfg.issuer_seed is not None:
+            return Refused(detail=self._superseded("heartbeat", hb.instance_id, key))
         hb = await self._credential_kind(hb)
         version = -1 if hb.weight_version is None else hb.weight_version
         fields = {
             "id": hb.instance_id, "kind": hb.kind, "engine": hb.engine, "state": hb.state,
             "run_id": hb.run_id or "", "weight_version": version, "capacity": hb.capacity,
             "pid": hb.pid, "metrics_port": hb.metrics_port, "last_seen": time.time(),
-            "session": hb.session,
+            "session": hb.session, "fp": key,
         }
         # Two scripts, one per slot (the control keys', then the run's), as a Redis Cluster
         # keeps them apart; in one round trip when the run the instance names is the active
@@ -97,10 +144,12 @@ class Registry:
                                  Keys.active],
                     [json.dumps([str(x) for kv in fields.items() for x in kv]),
                      int(self.cfg.instance_ttl_s * 1000), hb.session, hb.instance_id,
-                     fields["last_seen"], hb.decode_steps, int(bool(hb.held))])
+                     fields["last_seen"], hb.decode_steps, int(bool(hb.held)), key])
         guess = [self._run_part(hb, hb.run_id, version)] if hb.run_id else []
         replies = await run_batch(self.redis, [beat, *guess])
         run_id = replies[0]
+        if run_id == 0:  # another key holds the id: the run's part must not count either
+            return Refused(detail=self._superseded("heartbeat", hb.instance_id, key))
         if run_id is None or run_id == "":  # it already released and left, or no run is on
             return HeartbeatReply(target=None, revoke=[h.request_id for h in hb.held])
         run_id = str(run_id)
@@ -133,7 +182,11 @@ class Registry:
                      MAX_EVENTS, self.ledger.lease_ttl_ms,
                      *[x for h in hb.held for x in (h.request_id, h.epoch, h.buffered)]])
 
-    async def on_release(self, rel: Release) -> Ack:
+    async def on_release(self, rel: Release, key: str = "") -> Ack:
+        """``key``: the fingerprint of the sender's key its subject names ("" none)."""
+        refused = await self._keyless("release", rel.instance_id, key)
+        if refused is not None:
+            return Ack(ok=False, detail=refused)
         await self._await_commits(rel)
         revoked = foreign = 0
         for held in rel.held:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -215,7 +216,7 @@ class ManagerService:
                 log.exception("%s failed; restarting it in 0.5s", loop.__qualname__)
                 await asyncio.sleep(0.5)
 
-    async def _serve(self, subject: str, kind: type[M], handler: Callable[[M], Awaitable[Any]],
+    async def _serve(self, subject: str, kind: type[M], handler: Callable[..., Awaitable[Any]],
                      owner: Callable[[M], str] | None = None, ordered: bool = False,
                      refuse: Callable[[bytes, str], msgspec.Struct | None] | None = None
                      ) -> None:
@@ -223,7 +224,9 @@ class ManagerService:
         subject but concurrently across instances (all in one queue, heartbeats came late and
         leases expired); the subject names the instance, so nothing is decoded to queue it.
         With ``owner``, a message must come on the subject of the instance it names, and is
-        answered only on that instance's own inbox. The manager answers with its own
+        answered only on that instance's own inbox; ``handler`` is then given the key
+        fingerprint the subject names too ("" none: :func:`shared.names.subject_owner`), as
+        its second argument. The manager answers with its own
         permissions, so a reply subject of the sender's choosing (a JetStream API subject, or
         another instance's) would have the manager act for the sender: such a message is
         dropped unanswered, and any other request is answered only on an ``_INBOX.`` subject.
@@ -233,10 +236,14 @@ class ManagerService:
             if after is not None:
                 await asyncio.wait([after])
                 self._waiting.discard(msg.subject)
-            sender = names.subject_instance(msg.subject) if owner is not None else ""
+            sender, key = names.subject_owner(msg.subject) if owner is not None else ("", "")
             answer = bool(msg.reply) and (names.is_own_inbox(sender, msg.reply) if sender
-                                          else msg.reply.startswith(names.INBOX + "."))
+                                          else owner is None and
+                                          msg.reply.startswith(names.INBOX + "."))
             try:
+                if owner is not None and not sender:
+                    raise ProtocolError(kind.__name__, f"subject {msg.subject[:120]!r} names "
+                                        "no instance")
                 if msg.reply and not answer:
                     raise ProtocolError(kind.__name__, f"reply subject {msg.reply[:80]!r} is "
                                         "not the sender's inbox")
@@ -249,8 +256,9 @@ class ManagerService:
                 self._dropped.warning("dropped %s", str(exc)[:300])  # a flood: counted
                 reply: msgspec.Struct = Ack(ok=False, detail=str(exc))
             else:
+                call = handler if owner is None else functools.partial(handler, key=key)
                 reply = refusal or Ack(ok=False) if request is None else \
-                    await self._handle(subject, handler, request)
+                    await self._handle(subject, call, request)
             if answer:
                 with contextlib.suppress(Exception):
                     await msg.respond(encode(reply))

@@ -5,7 +5,8 @@ once any response has ``chunk_tokens`` new tokens (or ends) it flushes: one fram
 durable chunk stream carrying the new tokens of all its responses, each entry stamped with its
 lease epoch and a MAC under its lease's key; it renews its leases with each heartbeat.
 It logs in to NATS with a key pair made for this process (:mod:`shared.identity`), under which
-the manager's auth callout lets it use its own subjects only; it holds the weights read token.
+the manager's auth callout lets it use its own subjects only, each naming its id and its key's
+fingerprint (:mod:`shared.names`); it holds the weights read token.
 SIGTERM is a preemption notice: it stops taking work, commits what it has generated, hands its
 responses back and exits within the grace period. SIGKILL is safe too: its leases expire and its
 responses continue elsewhere from their last committed token.
@@ -32,7 +33,7 @@ from shared import names
 from shared.bus import connect_nats, request, request_bytes
 from shared.config import RolloutConfig
 from shared.errors import ProtocolError, RlboostError
-from shared.identity import new_user_seed
+from shared.identity import new_user_seed, public_key
 from shared.mac import entry_mac
 from shared.metrics import serve_metrics
 from shared.process import cancel_and_wait, wait_event
@@ -125,6 +126,12 @@ class RolloutService:
         self.session = secrets.token_hex(8)
         self.refused: str | None = None  # why the manager refused this instance, if it did
         self._nkey_seed = new_user_seed()  # this process's NATS identity, never written down
+        # Its subjects name its key: another process that held the id before it, and is still
+        # connected, can read none of its assignments (their lease keys) nor speak for it.
+        self._key = names.fingerprint(public_key(self._nkey_seed))
+        self._assigns = names.assign_subject(cfg.instance_id, self._key)
+        self._beats = names.heartbeat_subject(cfg.instance_id, self._key)
+        self._releases = names.release_subject(cfg.instance_id, self._key)
         self.nc: Nats
         self.js: JetStreamContext
 
@@ -142,7 +149,7 @@ class RolloutService:
                                      inbox_prefix=names.inbox_prefix(self.cfg.instance_id),
                                      tls=common.tls.client())
         self.js = self.nc.jetstream()
-        await self.nc.subscribe(names.assign_subject(self.cfg.instance_id), cb=self._on_assign)
+        await self.nc.subscribe(self._assigns, cb=self._on_assign)
         await self.nc.subscribe(names.WEIGHTS_ANNOUNCE, cb=self._on_announce)
         log.info("instance %s (%s, %s engine) joining", self.cfg.instance_id, self.cfg.kind,
                  self.engine.name)
@@ -184,7 +191,7 @@ class RolloutService:
         held = [Held(request_id=rid, epoch=i.assignment.epoch, published=i.offset)
                 for rid, i in self.inflight.items()]
         with contextlib.suppress(RlboostError):
-            await request(self.nc, names.release_subject(self.cfg.instance_id), Release(
+            await request(self.nc, self._releases, Release(
                 instance_id=self.cfg.instance_id, held=held, leaving=True,
                 reason="preempt" if self._reason == "preempt" else "shutdown",
                 session=self.session), Ack, 5.0)
@@ -210,7 +217,7 @@ class RolloutService:
         while True:
             try:
                 reply = decode_beat_reply(await request_bytes(
-                    self.nc, names.heartbeat_subject(self.cfg.instance_id), self._heartbeat(),
+                    self.nc, self._beats, self._heartbeat(),
                     timeout_s=max(1.0, self.cfg.heartbeat_s * 2)))
             except (RlboostError, ProtocolError) as exc:
                 log.debug("heartbeat: %s", exc)
@@ -333,7 +340,7 @@ class RolloutService:
                 for rid, item in items.items() if not item.final and rid in self.inflight]
         if held:
             with contextlib.suppress(RlboostError):
-                await request(self.nc, names.release_subject(self.cfg.instance_id), Release(
+                await request(self.nc, self._releases, Release(
                     instance_id=self.cfg.instance_id, held=held, leaving=False,
                     reason="handoff", session=self.session), Ack, 5.0)
         for h in held:  # reported (and renewed) by heartbeats until the manager took them
@@ -420,7 +427,8 @@ class RolloutService:
             await self._publish(items[:half])
             await self._publish(items[half:])
             return
-        subject = names.chunk_subject(items[0][1].assignment.run_id, self.cfg.instance_id)
+        subject = names.chunk_subject(items[0][1].assignment.run_id, self.cfg.instance_id,
+                                      self._key)
         for attempt in range(20):
             try:
                 await self.js.publish(subject, data, timeout=2.0)

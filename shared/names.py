@@ -1,10 +1,10 @@
 """Every NATS subject and Redis key, built in this one place.
 
 Subjects (core NATS unless marked JetStream):
-    rlb.inst.heartbeat.<id>     instance -> manager, request/reply (Heartbeat -> HeartbeatReply)
-    rlb.inst.release.<id>       instance -> manager, request/reply (Release -> Ack)
-    rlb.inst.assign.<id>        manager -> one instance (Assign)
-    rlb.chunk.<run>.<id>        instance -> manager, JetStream stream RLB_CHUNKS (TokenFrame)
+    rlb.inst.heartbeat.<id>.<fp>  instance -> manager, request/reply (Heartbeat -> HeartbeatReply)
+    rlb.inst.release.<id>.<fp>  instance -> manager, request/reply (Release -> Ack)
+    rlb.inst.assign.<id>.<fp>   manager -> one instance (Assign, Revoke)
+    rlb.chunk.<run>.<id>.<fp>   instance -> manager, JetStream stream RLB_CHUNKS (TokenFrame)
     rlb.trainer.<verb>          trainer -> manager, request/reply
                                 (poll|start|samples|finish|fail|record|warn)
     rlb.evt.group.<run>         manager -> trainer, best effort (GroupDone)
@@ -18,6 +18,14 @@ Every subject an instance sends on or listens to ends in (or holds) its own id, 
 permissions the manager grants one instance (:func:`rollout_permissions`) name only its own
 subjects, and the manager checks that the id in a message equals the one in its subject: with
 the shipped NATS config an instance can neither read another's work nor speak in its name.
+``<fp>`` is the :func:`fingerprint` of the process's own NATS key: the auth callout grants a
+login the subjects of its key alone, so a process that still holds a connection under an id
+after the id passed to a newer process (its binding lapsed while it was cut off) reads none
+of the newer one's assignments (their per-lease MAC keys) and speaks in none of its beats,
+releases or chunks (its garbage never counts toward the newer one's quarantine). The manager
+sends to the fingerprint the instance's accepted beats named. An instance that names none
+(``rlb.inst.heartbeat.<id>``: a test's client, an image before the fingerprint) is served on
+the id's bare subjects where the callout is off, and refused where it is on.
 Instance ids follow :data:`INSTANCE_ID_PATTERN` everywhere (settings, messages, subjects, keys).
 """
 
@@ -31,8 +39,8 @@ RUN_INSTANCES_SUFFIX = ":instances"  # Keys.run_instances, after the run key
 CHUNK_STREAM = "RLB_CHUNKS"
 CHUNK_CONSUMER = "manager"
 
-HEARTBEAT_ANY = f"{PREFIX}.inst.heartbeat.*"
-RELEASE_ANY = f"{PREFIX}.inst.release.*"
+HEARTBEAT_ANY = f"{PREFIX}.inst.heartbeat.>"  # <id> or <id>.<fp>: subject_owner reads which
+RELEASE_ANY = f"{PREFIX}.inst.release.>"
 TRAINER_POLL = f"{PREFIX}.trainer.poll"
 TRAINER_START = f"{PREFIX}.trainer.start"
 TRAINER_SAMPLES = f"{PREFIX}.trainer.samples"
@@ -55,6 +63,11 @@ INSTANCE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}:[0-9]{1,9}:[0-9]{1,9}:[0-9]{1,9}$"
 _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+# A key's fingerprint: 16 base32 characters of the public nkey after its role letter, 80 bits
+# of the key, which no other process can match by making keys until one does. lua/beat.lua
+# reads the same characters (2 to 17) of the key an id is bound to.
+FINGERPRINT_LEN = 16
+_FINGERPRINT = re.compile(f"[A-Z2-7]{{{FINGERPRINT_LEN}}}")
 
 
 def valid_instance_id(instance_id: str) -> bool:
@@ -65,24 +78,35 @@ def valid_request_id(rid: str) -> bool:
     return _REQUEST_ID.fullmatch(rid) is not None
 
 
-def assign_subject(instance_id: str) -> str:
-    return f"{PREFIX}.inst.assign.{instance_id}"
+def fingerprint(public_nkey: str) -> str:
+    """The part of a process's public user nkey that its instance subjects carry."""
+    return public_nkey[1:1 + FINGERPRINT_LEN]
 
 
-def heartbeat_subject(instance_id: str) -> str:
-    return f"{PREFIX}.inst.heartbeat.{instance_id}"
+def _keyed(subject: str, fp: str) -> str:
+    return f"{subject}.{fp}" if fp else subject
 
 
-def release_subject(instance_id: str) -> str:
-    return f"{PREFIX}.inst.release.{instance_id}"
+def assign_subject(instance_id: str, fp: str = "") -> str:
+    return _keyed(f"{PREFIX}.inst.assign.{instance_id}", fp)
 
 
-def chunk_subject(run_id: str, instance_id: str) -> str:
-    return f"{PREFIX}.chunk.{run_id}.{instance_id}"
+def heartbeat_subject(instance_id: str, fp: str = "") -> str:
+    return _keyed(f"{PREFIX}.inst.heartbeat.{instance_id}", fp)
+
+
+def release_subject(instance_id: str, fp: str = "") -> str:
+    return _keyed(f"{PREFIX}.inst.release.{instance_id}", fp)
+
+
+def chunk_subject(run_id: str, instance_id: str, fp: str = "") -> str:
+    return _keyed(f"{PREFIX}.chunk.{run_id}.{instance_id}", fp)
 
 
 def inbox_prefix(instance_id: str) -> str:
-    """The instance's nats-py inbox prefix: replies to it are readable by it alone."""
+    """The instance's nats-py inbox prefix: replies to it are readable by it alone. (By any
+    process logged in under the id, whatever its key: heartbeat replies and acks carry no
+    secret, and a stale image must read its refusal there.)"""
     return f"{INBOX}.inst.{instance_id}"
 
 
@@ -92,16 +116,43 @@ def is_own_inbox(instance_id: str, subject: str) -> bool:
 
 
 def subject_instance(subject: str) -> str:
-    """The instance id a per-instance subject ends in."""
+    """The instance id a bare instance subject ends in."""
     return subject.rsplit(".", 1)[-1]
 
 
-def rollout_permissions(instance_id: str) -> tuple[list[str], list[str]]:
-    """(publish, subscribe) allowed to one rollout instance: its own subjects, and the
-    version announcements; no JetStream API (publishing to the stream needs none)."""
-    publish = [heartbeat_subject(instance_id), release_subject(instance_id),
-               f"{PREFIX}.chunk.*.{instance_id}"]
-    subscribe = [assign_subject(instance_id), f"{inbox_prefix(instance_id)}.>", WEIGHTS_ANNOUNCE]
+def chunk_sender(subject: str) -> tuple[str, str]:
+    """(instance id, key fingerprint or "") of a ``rlb.chunk.<run>.<id>[.<fp>]`` subject;
+    ("", "") for any other shape."""
+    parts = subject.split(".")
+    if len(parts) == 4:
+        return parts[3], ""
+    if len(parts) == 5 and _FINGERPRINT.fullmatch(parts[4]) is not None:
+        return parts[3], parts[4]
+    return "", ""
+
+
+def subject_owner(subject: str) -> tuple[str, str]:
+    """(instance id, key fingerprint or "") of a ``rlb.inst.<verb>.<id>[.<fp>]`` subject;
+    ("", "") for any other shape."""
+    parts = subject.split(".")
+    if len(parts) not in (4, 5) or parts[:2] != [PREFIX, "inst"] or \
+            not valid_instance_id(parts[3]):
+        return "", ""
+    fp = parts[4] if len(parts) == 5 else ""
+    if len(parts) == 5 and _FINGERPRINT.fullmatch(fp) is None:
+        return "", ""
+    return parts[3], fp
+
+
+def rollout_permissions(instance_id: str, fp: str) -> tuple[list[str], list[str]]:
+    """(publish, subscribe) allowed to the rollout process of key fingerprint ``fp`` under
+    ``instance_id``: its own subjects, and the version announcements; no JetStream API
+    (publishing to the stream needs none). Its id's bare heartbeat subject too, where the
+    manager answers an image that names no fingerprint with why it is refused."""
+    publish = [heartbeat_subject(instance_id), heartbeat_subject(instance_id, fp),
+               release_subject(instance_id, fp), chunk_subject("*", instance_id, fp)]
+    subscribe = [assign_subject(instance_id, fp), f"{inbox_prefix(instance_id)}.>",
+                 WEIGHTS_ANNOUNCE]
     return publish, subscribe
 
 

@@ -10,14 +10,17 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from pydantic import SecretStr
 
 from manager_svc.accounting import Ledger
 from manager_svc.crash import CrashPoints
 from manager_svc.dispatcher import Dispatcher
-from manager_svc.registry import Registry
+from manager_svc.registry import Registry, assign_subjects
 from rlboost.stack import Stack
+from shared import names
+from shared.identity import new_account_seed, new_user_seed, public_key
 from shared.names import Keys, request_id
-from shared.protocol import Assignment, Heartbeat, Held, Release, Target
+from shared.protocol import Assignment, Heartbeat, HeartbeatReply, Held, Refused, Release, Target
 from tests.support.registry import registry_with_run
 
 LEASE_TTL_S = 0.6
@@ -197,3 +200,40 @@ async def test_an_engine_that_stops_while_holding_work_is_drained_until_it_moves
     await beat_and_drain(10, [])  # its engine moved again: it may take work
     assert [r["state"] for r in await registry.instances(run_id) if r["id"] == "i1"] == [
         "ready"]
+
+
+async def test_only_the_key_an_id_is_bound_to_speaks_for_it(
+        parts: tuple[Registry, str]) -> None:
+    """With the auth callout on, an id is bound to one process's key: a beat or a release
+    under another key (an older connection under the id, its binding lapsed) or under none
+    (an image before key fingerprints) is refused and counted, and changes nothing: the newer
+    process stays registered, keeps its lease, and its work goes to its own key's subject."""
+    registry, run_id = parts
+    registry.cfg = registry.cfg.model_copy(
+        update={"issuer_seed": SecretStr(new_account_seed())})
+    bound = public_key(new_user_seed())
+    newer, older = names.fingerprint(bound), names.fingerprint(public_key(new_user_seed()))
+    await registry.redis.set(Keys.identity("i1"), f"spot:{bound}", px=60_000)  # the callout's
+    reply = await registry.on_heartbeat(beat([], run_id=run_id), key=newer)
+    assert isinstance(reply, HeartbeatReply) and reply.target is not None
+    assert await assign_subjects(registry.redis, ["i1", "i2"]) == [
+        names.assign_subject("i1", newer), names.assign_subject("i2")]
+    (mine, a), _ = await leased_to_i1_and_i2(registry.ledger, run_id)
+    for key in (older, ""):
+        refused = await registry.on_heartbeat(beat([], session="old"), key=key)
+        assert isinstance(refused, Refused) and "i1" in refused.detail, refused
+        ack = await registry.on_release(Release(instance_id="i1", held=[
+            Held(request_id=mine, epoch=a.epoch)], session="old"), key=key)
+        assert not ack.ok and "i1" in ack.detail
+    info = await registry.redis.hgetall(Keys.instance("i1"))
+    assert (info["session"], info["fp"]) == ("s1", newer)
+    assert await registry.redis.get(Keys.lease(mine)) == f"i1:{a.epoch}"
+    assert await registry.redis.exists(Keys.identity("i1"))
+    counted = registry.metrics.registry.get_sample_value
+    for message in ("heartbeat", "release"):
+        assert counted("rlboost_superseded_messages_total", {"message": message}) == 2
+    # The newer process's own release is honoured.
+    ack = await registry.on_release(Release(instance_id="i1", leaving=False, reason="preempt",
+                                            held=[Held(request_id=mine, epoch=a.epoch)]),
+                                    key=newer)
+    assert ack.ok and not await registry.redis.exists(Keys.lease(mine))

@@ -235,3 +235,23 @@ async def test_a_run_with_no_instance_at_all_says_so_and_waits(
     assert (await p.runs.get(run_id) or {})["state"] == "running"
     assert await p.runs.warnings(run_id) == [
         "no rollout instance is registered: the run waits for one"]
+
+
+async def test_only_garbage_under_the_ids_current_key_quarantines_it(parts: Parts) -> None:
+    """Entries are tallied per key: garbage from an older connection under an id (another
+    key than the one its accepted beats name) never quarantines the newer process, however
+    much of it comes; the same count under the current key does."""
+    p = parts
+    run_id = await running(p, RunSpec(model="emu", prompts_per_step=1, samples_per_prompt=2),
+                           1, VOCAB)
+    newer, older = "A" * names.FINGERPRINT_LEN, "B" * names.FINGERPRINT_LEN
+    await p.registry.on_heartbeat(Heartbeat(
+        instance_id="i0", kind="spot", engine="emu", state="ready", run_id=run_id,
+        weight_version=0, capacity=8), key=newer)
+    quarantine = Quarantine(p.redis, p.nc, p.ledger, p.runs, p.metrics, p.soft, after=AFTER)
+    for _ in range(AFTER * 3):
+        await quarantine.reject(run_id, "i0", "bad MAC", older)
+    assert await quarantine.reasons(run_id) == {}
+    for _ in range(AFTER):
+        await quarantine.reject(run_id, "i0", "bad MAC", newer)
+    assert list(await quarantine.reasons(run_id)) == ["i0"]

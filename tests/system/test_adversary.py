@@ -30,11 +30,12 @@ import redis
 from rlboost.launcher import Cluster
 from rlboost.stack import Stack
 from shared import names
+from shared.identity import new_user_seed
 from shared.protocol import FrameEntry, Heartbeat, Held, Release, TokenFrame, encode
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run
 from tests.system.test_faults import FAST, REWARD, oracle
-from tests.system.test_least_privilege import live_lease, login, metric
+from tests.system.test_least_privilege import key_of, live_lease, login, metric
 
 pytestmark = pytest.mark.slow
 
@@ -75,31 +76,34 @@ async def attack(stack: Stack, store: redis.Redis, run_id: str) -> dict[str, Any
     """Every attack once, from a spot credential; returns what was sent and seen."""
     rid, holder, epoch, version, n = live_lease(store, run_id)  # the run is on
     errors: list[str] = []
-    nc = await login(stack, HOSTILE, errors)
+    seed = new_user_seed()
+    nc = await login(stack, HOSTILE, errors, seed)
+    beats, releases = (names.heartbeat_subject(HOSTILE, key_of(seed)),
+                       names.release_subject(HOSTILE, key_of(seed)))
     seen: dict[str, Any] = {}
     # Someone else's lease, as a release: refused, its holder keeps it.
-    await nc.request(names.release_subject(HOSTILE), encode(Release(
+    await nc.request(releases, encode(Release(
         instance_id=HOSTILE, held=[Held(request_id=rid, epoch=epoch)], leaving=False)),
         timeout=5)
     owner = store.get(names.Keys.lease(rid))  # None: finished meanwhile
     seen["lease kept"] = owner in (None, f"{holder}:{epoch}")
     # The manager's answer reflected onto the JetStream API.
-    await nc.publish(names.heartbeat_subject(HOSTILE), encode(beat()),
+    await nc.publish(beats, encode(beat()),
                      reply=f"$JS.API.STREAM.PURGE.{names.CHUNK_STREAM}")
     # reserved, from a spot credential
-    await nc.request(names.heartbeat_subject(HOSTILE), encode(beat(kind="reserved")), timeout=5)
+    await nc.request(beats, encode(beat(kind="reserved")), timeout=5)
     seen["served as spot"] = store.hget(names.Keys.instance(HOSTILE), "kind") == "spot"
     # Identities: a live id is not taken over; past its credential's cap, no new id.
     seen["takeover refused"] = await refused_login(stack, "spot-0")
-    await nc.request(names.heartbeat_subject(HOSTILE), encode(beat()), timeout=5)  # still live
+    await nc.request(beats, encode(beat()), timeout=5)  # still live
     seen["cap refused"] = await refused_login(stack, "hostile-2")
     # Floods: a burst of valid beats, then beats with oversized fields.
     for _ in range(FLOOD):
-        await nc.publish(names.heartbeat_subject(HOSTILE), encode(beat()),
+        await nc.publish(beats, encode(beat()),
                          reply=nc.new_inbox())
     big = encode(beat()).replace(b'"engine":"emu"', b'"engine":"' + b"x" * 100_000 + b'"')
     for _ in range(FLOOD // 10):
-        await nc.publish(names.heartbeat_subject(HOSTILE), big)
+        await nc.publish(beats, big)
     await nc.flush()
     # Forged entries at a high rate, on its own subject with a live lease's id and epoch.
     rid, holder, epoch, version, n = live_lease(store, run_id)
@@ -110,13 +114,13 @@ async def attack(stack: Stack, store: redis.Redis, run_id: str) -> dict[str, Any
         entry.mac = "0" * 64
     start = time.monotonic()
     for _ in range(FORGED_FRAMES):
-        await nc.jetstream().publish(names.chunk_subject(run_id, HOSTILE), encode(frame),
-                                     timeout=10)
+        await nc.jetstream().publish(names.chunk_subject(run_id, HOSTILE, key_of(seed)),
+                                     encode(frame), timeout=10)
     seen["forge_s"] = time.monotonic() - start
     seen["forged_at"] = time.monotonic()
     # Subscriptions past the server's per-connection limit: the server cuts the connection.
     for _ in range(300):
-        await nc.subscribe(names.assign_subject(HOSTILE))
+        await nc.subscribe(names.assign_subject(HOSTILE, key_of(seed)))
     with contextlib.suppress(Exception):
         await nc.flush(timeout=2)
     await asyncio.sleep(0.5)

@@ -12,7 +12,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from shared import names
 from shared.errors import ProtocolError
+from shared.identity import new_user_seed, public_key
 from shared.protocol import (
     FRAME_ENTRIES,
     HELD_MAX,
@@ -67,3 +69,30 @@ def test_release_and_frame_fields_are_bounded() -> None:
                   msgspec.structs.replace(ENTRY, mac="m" * 129)):
         with pytest.raises(ProtocolError):
             decode(encode(TokenFrame(instance_id="spot-0", entries=[entry])), TokenFrame)
+
+
+def test_instance_subjects_name_the_key_of_their_login() -> None:
+    """The subjects the callout grants one login name its id and its key's fingerprint, and
+    the manager reads both back; a subject of any other shape names no instance."""
+    seed, other = new_user_seed(), new_user_seed()
+    fp = names.fingerprint(public_key(seed))
+    assert len(fp) == names.FINGERPRINT_LEN and fp != names.fingerprint(public_key(other))
+    publish, subscribe = names.rollout_permissions("spot-0", fp)
+    assert names.assign_subject("spot-0", fp) in subscribe
+    assert names.assign_subject("spot-0") not in subscribe  # where no login may read
+    assert not any(fp not in s for s in subscribe if s.startswith("rlb.inst."))
+    assert {names.heartbeat_subject("spot-0", fp), names.release_subject("spot-0", fp)} \
+        <= set(publish)
+    assert names.release_subject("spot-0") not in publish
+    assert names.chunk_subject("*", "spot-0", fp) in publish
+    assert names.chunk_subject("*", "spot-0") not in publish
+    assert names.chunk_sender(names.chunk_subject("run-a", "spot-0", fp)) == ("spot-0", fp)
+    assert names.chunk_sender(names.chunk_subject("run-a", "spot-0")) == ("spot-0", "")
+    assert names.chunk_sender(f"rlb.chunk.run-a.spot-0.{fp}.x") == ("", "")
+    for subject in (names.heartbeat_subject("spot-0", fp), names.release_subject("spot-0", fp)):
+        assert names.subject_owner(subject) == ("spot-0", fp)
+    assert names.subject_owner(names.heartbeat_subject("spot-0")) == ("spot-0", "")
+    for bad in (f"rlb.inst.heartbeat.spot-0.{fp}.x", "rlb.inst.heartbeat.spot-0.short",
+                f"rlb.inst.heartbeat.spot-0.{fp.lower()}", "rlb.inst.heartbeat",
+                "rlb.other.heartbeat.spot-0", "rlb.inst.heartbeat.spot:0"):
+        assert names.subject_owner(bad) == ("", ""), bad
