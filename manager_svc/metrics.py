@@ -83,6 +83,10 @@ class ManagerMetrics:
             "Leases a release named that its sender did not hold: refused, the holder keeps them",
             registry=self.registry,
         )
+        self.capacity_clamped = Counter(
+            "rlboost_capacity_claims_clamped_total", "Heartbeats of spot instances declaring "
+            "more capacity than RLBOOST_MAX_SPOT_CAPACITY: served at it", registry=self.registry,
+        )
         self.kind_refused = Counter(
             "rlboost_kind_claims_refused_total", "Heartbeats claiming reserved from a spot "
             "rollout credential: served as spot", registry=self.registry,

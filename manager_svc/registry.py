@@ -88,18 +88,25 @@ class Registry:
         self._stale = Throttled(log)
 
     async def _credential_kind(self, hb: Heartbeat) -> Heartbeat:
-        """``hb`` with the kind its sender's credential gives it: with the auth callout on, a
-        beat may claim ``reserved`` only from a reserved login (Keys.identity, bound by the
-        callout); any other claim is served as spot, counted and logged (rate-limited)."""
-        if hb.kind == "spot" or self.cfg.issuer_seed is None:
-            return hb
-        bound = await self.redis.get(Keys.identity(hb.instance_id))
-        if bound is not None and str(bound).startswith("reserved:"):
-            return hb
-        self.metrics.kind_refused.inc()
-        self._claims.warning("instance %s claims to be reserved with a spot credential: "
-                             "served as spot", hb.instance_id)
-        return msgspec.structs.replace(hb, kind="spot")
+        """``hb`` with the kind its sender's credential gives it, and a spot instance's
+        capacity bounded: with the auth callout on, a beat may claim ``reserved`` only from a
+        reserved login (Keys.identity, bound by the callout); any other claim is served as
+        spot. A spot instance declaring more than ``max_spot_capacity`` is served at it (one
+        such claim would otherwise take a whole step's work, to sit on it until the progress
+        check takes it back). Both counted and logged (rate-limited)."""
+        if hb.kind != "spot" and self.cfg.issuer_seed is not None:
+            bound = await self.redis.get(Keys.identity(hb.instance_id))
+            if bound is None or not str(bound).startswith("reserved:"):
+                self.metrics.kind_refused.inc()
+                self._claims.warning("instance %s claims to be reserved with a spot "
+                                     "credential: served as spot", hb.instance_id)
+                hb = msgspec.structs.replace(hb, kind="spot")
+        if hb.kind == "spot" and hb.capacity > self.cfg.max_spot_capacity:
+            self.metrics.capacity_clamped.inc()
+            self._claims.warning("spot instance %s declares capacity %d: served at %d",
+                                 hb.instance_id, hb.capacity, self.cfg.max_spot_capacity)
+            hb = msgspec.structs.replace(hb, capacity=self.cfg.max_spot_capacity)
+        return hb
 
     def _superseded(self, message: str, instance_id: str, key: str) -> str:
         """Count and log (rate-limited) a ``message`` refused because another key holds its

@@ -193,6 +193,9 @@ class ManagerConfig(Settings):
     max_instances_per_credential: int = setting(
         "RLBOOST_MAX_INSTANCES_PER_CREDENTIAL", 1024, "live instance ids one rollout "
         "password may hold at once; a login past it is refused", ge=1)
+    max_spot_capacity: int = setting(
+        "RLBOOST_MAX_SPOT_CAPACITY", 256, "responses a spot instance is leased at once at most, "
+        "whatever capacity its heartbeats declare (a larger claim is served at this)", ge=1)
     max_body_bytes: int = setting(
         "RLBOOST_MAX_BODY_BYTES", 1 << 20, "a larger REST request body is refused with 413", ge=1)
     max_step_responses: int = setting(

@@ -237,3 +237,19 @@ async def test_only_the_key_an_id_is_bound_to_speaks_for_it(
                                             held=[Held(request_id=mine, epoch=a.epoch)]),
                                     key=newer)
     assert ack.ok and not await registry.redis.exists(Keys.lease(mine))
+
+
+async def test_a_spot_instance_is_leased_no_more_than_the_spot_capacity(
+        parts: tuple[Registry, str]) -> None:
+    """A spot instance's declared capacity is bounded by RLBOOST_MAX_SPOT_CAPACITY (a claim of
+    thousands would take a whole step's work); a reserved one's is its own. Counted."""
+    registry, run_id = parts
+    registry.cfg = registry.cfg.model_copy(update={"max_spot_capacity": 3})
+    greedy = msgspec.structs.replace(beat([], run_id=run_id), capacity=4000)
+    assert isinstance(await registry.on_heartbeat(greedy), HeartbeatReply)
+    reserved = msgspec.structs.replace(greedy, instance_id="i2", kind="reserved")
+    assert isinstance(await registry.on_heartbeat(reserved), HeartbeatReply)
+    listed = {i["id"]: i["capacity"] for i in await registry.instances()}
+    assert listed == {"i1": 3, "i2": 4000}
+    counted = registry.metrics.registry.get_sample_value
+    assert counted("rlboost_capacity_claims_clamped_total", {}) == 1
