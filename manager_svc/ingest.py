@@ -53,7 +53,7 @@ from shared.digest import token_json
 from shared.errors import ProtocolError
 from shared.names import Keys
 from shared.process import wait_event
-from shared.protocol import FrameEntry, TokenFrame, decode
+from shared.protocol import FrameEntry, InstanceKind, TokenFrame, decode
 
 log = logging.getLogger("manager")
 # Frames one pull request asks for, and how long it waits for them.
@@ -67,6 +67,8 @@ UNPIN = f"$JS.API.CONSUMER.UNPIN.{names.CHUNK_STREAM}.{names.CHUNK_CONSUMER}"
 INGEST_GROUP = "managers"  # the consumer's one priority group: every replica pulls in it
 PIN_HEADER = "Nats-Pin-Id"
 CACHE_SIZE = 64  # steps whose vocabulary size is remembered
+KIND_TTL_S = 5.0  # how long a sender's registered kind is taken as known
+KINDS_MAX = 8192  # senders whose kind is remembered
 # Acks sent between yields to the event loop: a part's acks in one stretch would hold the
 # answer of the commit in flight, and with it the next commit, while Redis stands idle.
 YIELD_EVERY = 64
@@ -137,6 +139,7 @@ class ChunkIngest:
         self.quarantine = quarantine or Quarantine(redis, nc, ledger, runs, metrics, soft)
         self.rejects = Rejections(redis, metrics)
         self._vocab: dict[str, int] = {}  # "<run>:<step>" -> its vocabulary size (0: unknown)
+        self._kinds: dict[str, tuple[float, bool]] = {}  # sender -> (read at, reserved?)
         self.pin: str | None = None  # the chunk stream's pin id while this replica holds it
         self.in_flight = 0  # frames pulled and not yet acked or terminated
         self.announcer = Announcer(redis, nc, ledger, runs, metrics, soft)
@@ -194,6 +197,8 @@ class ChunkIngest:
                 await self._term(msg)
                 continue
             part.keep.append(msg)
+            if frame.kind != "spot":
+                frame.kind = await self._sender_kind(frame, msg.subject)
             kept, kept_texts = [], []
             for entry in frame.entries:
                 # "<run>:<step>:<prompt>:<sample>", no colon in a run id, once its MAC checks
@@ -233,6 +238,24 @@ class ChunkIngest:
         sender, key = names.chunk_sender(subject)
         await self.quarantine.reject(subject.split(".")[2], sender or frame.instance_id, why,
                                      key)
+
+    async def _sender_kind(self, frame: TokenFrame, subject: str) -> InstanceKind:
+        """The kind a frame claiming ``reserved`` is counted as: its sender's registered kind
+        (the registry takes that from the credential), else spot, counted. The step's
+        ``tokens_reserved`` and first/last times feed the seeding controller: a spot instance
+        claiming reserved would skew them. Read from Redis once per KIND_TTL_S per sender."""
+        sender = names.chunk_sender(subject)[0] or frame.instance_id
+        now = time.monotonic()
+        known = self._kinds.get(sender)
+        if known is None or now - known[0] > KIND_TTL_S:
+            if len(self._kinds) >= KINDS_MAX:
+                self._kinds.clear()
+            kind = await self.redis.hget(Keys.instance(sender), "kind")
+            known = self._kinds[sender] = (now, kind == "reserved")
+        if known[1]:
+            return "reserved"
+        self.metrics.kind_refused.inc()
+        return "spot"
 
     async def _vocab_size(self, scope: str) -> int:
         """The vocabulary size of step ``scope`` ("<run>:<step>"), read once per step."""

@@ -88,8 +88,9 @@ class ManagerMetrics:
             "more capacity than RLBOOST_MAX_SPOT_CAPACITY: served at it", registry=self.registry,
         )
         self.kind_refused = Counter(
-            "rlboost_kind_claims_refused_total", "Heartbeats claiming reserved from a spot "
-            "rollout credential: served as spot", registry=self.registry,
+            "rlboost_kind_claims_refused_total", "Heartbeats (and token frames) claiming "
+            "reserved from a spot rollout credential: served (counted) as spot",
+            registry=self.registry,
         )
         self.shed = Counter(
             "rlboost_bus_messages_shed_total", "Bus requests dropped unanswered: another from "
