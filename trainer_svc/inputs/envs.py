@@ -86,8 +86,9 @@ def resolve_env(spec: str, dirs: Sequence[str] = (), tool_s: float = 10.0) -> En
         factory: Any = load_attr(f"{PYTHON_PREFIX}{module}:{attr}", (), BUILTIN_MODULES,
                                  EnvNameError)
         if spec == "python":
-            from trainer_svc.inputs.sandbox import SandboxLimits
+            from trainer_svc.inputs.sandbox import SandboxLimits, isolation
 
+            isolation()  # probed at worker start, not inside a first call's timeout
             wall = tool_s * SANDBOX_SHARE
             limits = SandboxLimits(wall_s=wall, cpu_s=max(1, math.ceil(wall)))
             factory = functools.partial(factory, limits=limits)
