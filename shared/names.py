@@ -172,6 +172,15 @@ def request_id(run_id: str, step: int, prompt_index: int, sample_index: int) -> 
     return f"{run_id}:{step}:{prompt_index}:{sample_index}"
 
 
+def call_id(request_id: str, turn: int) -> str:
+    """The id of a trajectory's tool call at ``turn`` (0-based): ``<request id>:<turn>``, a pure
+    function of (run, step, prompt, sample, turn), so a call run again after a fault carries the
+    same id and a tool with side effects can dedupe on it."""
+    if turn < 0:
+        raise ValueError(f"turn must be >= 0, got {turn}")
+    return f"{request_id}:{turn}"
+
+
 def parse_request_id(rid: str) -> tuple[str, int, int, int]:
     run_id, step, prompt, sample = rid.rsplit(":", 3)
     return run_id, int(step), int(prompt), int(sample)

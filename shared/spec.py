@@ -9,6 +9,7 @@ as typed attributes. :class:`shared.protocol.ActiveRun` carries it to the traine
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -29,6 +30,13 @@ DataPath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 # whether the function imports is known only where the trainer's reward path is.
 RewardName = Annotated[str, msgspec.Meta(
     pattern=r"^(math|exact|python:[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=512)]
+
+
+# Agentic runs (trainer_svc.inputs.envs): "" (none: one response per prompt, as without), a
+# built-in environment, or "python:<module>:<factory>" from the trainer's reward path.
+BUILTIN_ENVS = ("calculator", "python")
+ENV_PATTERN = re.compile(r"python:[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+MAX_TURNS = 32
 
 
 class DatasetSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -100,12 +108,19 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # this many batches of prompts_per_step prompts; short of informative groups then, it
     # trains on those it has and its record says so (dynamic_sampling_capped).
     max_gen_batches: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
+    # --- agentic runs: the model acts, an environment answers, up to max_turns model turns ---
+    env: Annotated[str, msgspec.Meta(max_length=512)] = ""  # see BUILTIN_ENVS above
+    max_turns: Annotated[int, msgspec.Meta(ge=1, le=MAX_TURNS)] = 1  # model turns; 1: one
+    max_tool_s: Annotated[float, msgspec.Meta(gt=0.0, le=300.0)] = 10.0  # per tool call
+    # An observation longer than this many tokens is cut to it (and counted).
+    max_observation_tokens: Annotated[int, msgspec.Meta(ge=1, le=32768)] = 256
 
     def __post_init__(self) -> None:
         # A ValueError here is a validation error to msgspec's decoder: a bad combination of
         # knobs is a 422 at the REST boundary, like any other bad field.
         self.algorithm_config()
         self._check_data()
+        self._check_env()
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The objective this run trains with: knobs, paper defaults scaled to the run."""
@@ -130,6 +145,16 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         elif self.model == "tiny":
             raise ValueError("model 'tiny' knows only the arith-seq task's 14 tokens; use "
                              "'tiny-chat' or an HF model directory with a dataset")
+
+    def _check_env(self) -> None:
+        if self.env and self.env not in BUILTIN_ENVS and not ENV_PATTERN.fullmatch(self.env):
+            raise ValueError(f"env {self.env[:100]!r}: unknown; use one of "
+                             f"{', '.join(BUILTIN_ENVS)} or python:<module>:<factory>")
+        if self.env and self.dataset is None:
+            raise ValueError("env needs a dataset (an environment reads the prompt's text)")
+        if not self.env and self.max_turns > 1:
+            raise ValueError(f"max_turns {self.max_turns} needs an env (without one a "
+                             "response is one turn)")
 
     @property
     def reward_name(self) -> str:

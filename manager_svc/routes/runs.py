@@ -3,9 +3,9 @@
 Contract: ``POST /v1/runs`` takes a :class:`~shared.spec.RunSpec`, decoded and validated
 by the protocol's own codec (:func:`run_spec_body`), errors shaped like FastAPI's 422s; a step
 larger than RLBOOST_MAX_STEP_RESPONSES is a 422, as is an absolute dataset or eval path outside
-RLBOOST_DATASET_ROOTS or a python: reward from the standard library; a full queue is a 429. An
-unknown run is a 404, a resume of a run in the wrong state a 409. :data:`SPEC_SCHEMAS` are the
-run spec's JSON schemas for the app's OpenAPI document.
+RLBOOST_DATASET_ROOTS or a python: reward or env from the standard library; a full queue is a
+429. An unknown run is a 404, a resume of a run in the wrong state a 409. :data:`SPEC_SCHEMAS`
+are the run spec's JSON schemas for the app's OpenAPI document.
 """
 
 from __future__ import annotations
@@ -87,10 +87,11 @@ def _refused_source(spec: RunSpec, roots: list[Path]) -> str | None:
         if part is not None and outside_roots(part.path, roots, resolve=False):
             return (f"{field}.path {part.path!r} is outside the dataset roots "
                     f"({roots_text(roots)}; RLBOOST_DATASET_ROOTS)")
-    module = stdlib_reward_module(spec.reward)
-    if module is not None:
-        return (f"reward {spec.reward!r}: {module!r} is a standard-library module; python: "
-                "rewards are imported from the trainer's RLBOOST_REWARD_PATH only")
+    for field, name in (("reward", spec.reward), ("env", spec.env)):
+        module = stdlib_reward_module(name)
+        if module is not None:
+            return (f"{field} {name!r}: {module!r} is a standard-library module; python: "
+                    f"{field}s are imported from the trainer's RLBOOST_REWARD_PATH only")
     return None
 
 

@@ -108,6 +108,16 @@ def test_each_algorithm_is_accepted_with_its_defaults(manager: httpx.Client) -> 
     ({"model": "tiny-chat", "dataset": {"path": "d.jsonl", "text_key": "q"}}, "text_key"),
     ({"reward": "math"}, "reward needs a dataset"),
     ({"dataset": {"path": "d.jsonl"}}, "model 'tiny'"),
+    ({"model": "tiny-chat", "dataset": {"path": "d.jsonl"}, "env": "shell"},
+     "env 'shell': unknown; use one of calculator, python or python:<module>:<factory>"),
+    ({"model": "tiny-chat", "dataset": {"path": "d.jsonl"}, "env": "python:mod"}, "env"),
+    ({"model": "tiny-chat", "dataset": {"path": "d.jsonl"}, "env": "python:a:b:c"}, "env"),
+    ({"env": "calculator"}, "env needs a dataset"),
+    ({"max_turns": 4}, "max_turns 4 needs an env"),
+    ({"model": "tiny-chat", "dataset": {"path": "d.jsonl"}, "env": "calculator",
+      "max_turns": 99}, "max_turns"),
+    ({"model": "tiny-chat", "dataset": {"path": "d.jsonl"}, "env": "calculator",
+      "max_tool_s": -1}, "max_tool_s"),
 ])
 def test_bad_data_fields_are_422_naming_them(manager: httpx.Client, body: dict[str, object],
                                              names: str) -> None:
@@ -123,6 +133,7 @@ def test_bad_data_fields_are_422_naming_them(manager: httpx.Client, body: dict[s
     ({"dataset": {"path": "@DATA@/../../x.jsonl"}}, "is outside the dataset roots"),
     ({"reward": "python:os:system"}, "'os' is a standard-library module"),
     ({"reward": "python:subprocess.run:x"}, "standard-library"),
+    ({"env": "python:os:system"}, "env 'python:os:system': 'os' is a standard-library module"),
 ])
 def test_data_and_code_the_trainer_must_not_touch_are_422(
         manager: httpx.Client, tmp_path: Path, body: dict[str, object], names: str) -> None:
@@ -136,9 +147,15 @@ def test_data_and_code_the_trainer_must_not_touch_are_422(
     # reward-path module are accepted.
     for fine in ({"dataset": {"path": str(data / "sub" / ".." / "d.jsonl")}},
                  {"dataset": {"path": "examples/data/word-problems-train.jsonl"}},
-                 {"reward": "python:my_rewards:score"}):
+                 {"reward": "python:my_rewards:score"},
+                 {"env": "python:my_envs:make", "max_turns": 3, "max_tool_s": 5.0},
+                 {"env": "calculator", "max_turns": 4, "max_observation_tokens": 64}):
         ok = manager.post("/v1/runs", json={**base, **fine})
         assert ok.status_code == 201, ok.text
+        stored = manager.get(f"/v1/runs/{ok.json()['id']}").json()
+        for name, value in fine.items():
+            if name != "dataset":
+                assert stored["spec"][name] == value, stored
         manager.post(f"/v1/runs/{ok.json()['id']}/cancel")
 
 

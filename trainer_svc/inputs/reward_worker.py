@@ -2,10 +2,8 @@
 
 Contract (the only peer is :class:`trainer_svc.inputs.scorer.RewardScorer`):
 
-- Started as ``python -c <bootstrap> <fd> <parent pid>``; ``fd`` is its end of a socket pair,
-  wrapped as a ``multiprocessing.connection.Connection`` (length-framed pickles), so a
-  reward function that prints cannot corrupt the channel: stdout and stderr stay the
-  trainer's log.
+- Started by :class:`trainer_svc.inputs.workers.Worker` (a socket pair of length-framed
+  pickles; a reward function that prints cannot corrupt the channel).
 - First message ``("init", spec, reward_path)``; the reply is ``("ready", "")`` or
   ``("init_error", cause)`` (then it exits). Each later message is one sample
   ``(prompt, response, answer)``; the reply is ``("ok", float)``, ``("raised", traceback)``
@@ -16,7 +14,8 @@ Contract (the only peer is :class:`trainer_svc.inputs.scorer.RewardScorer`):
   timeouts work); an ``async def`` one runs to completion on an event loop the worker keeps.
   The caller enforces the per-call timeout by killing the process: nothing here needs to
   be interruptible.
-- A worker whose parent dies exits within a second, even mid-call, rather than spin on.
+- A worker whose parent dies exits within a second, even mid-call, rather than spin on
+  (:func:`trainer_svc.inputs.workers.worker_main`).
 """
 
 from __future__ import annotations
@@ -25,24 +24,13 @@ import asyncio
 import inspect
 import math
 import numbers
-import os
-import signal
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 from trainer_svc.inputs.rewards import RewardFn, RewardNameError, resolve_reward
-
-PARENT_CHECK_S = 0.5
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_CHECK_S)
-    os._exit(1)
+from trainer_svc.inputs.workers import worker_main
 
 
 def _score(fn: RewardFn, loop: asyncio.AbstractEventLoop, item: Any) -> tuple[str, Any]:
@@ -88,11 +76,7 @@ def serve(conn: Connection) -> None:
 
 
 def main(argv: list[str]) -> None:
-    fd, parent_pid = int(argv[0]), int(argv[1])
-    # Ctrl-C reaches the whole process group; the trainer decides when workers end.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    serve(Connection(fd))
+    worker_main(argv, serve)
 
 
 if __name__ == "__main__":

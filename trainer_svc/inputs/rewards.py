@@ -31,29 +31,23 @@ the workers call rewards on theirs, so those timeouts stay on.
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
 import re
-import sys
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from typing import Any
+
+from trainer_svc.inputs.user_code import PYTHON_PREFIX, UserCodeError, load_attr, split_spec
 
 RewardFn = Callable[[str, str, "str | None"], "float | Awaitable[float]"]
 
 BUILTIN_REWARDS = ("math", "exact")
-PYTHON_PREFIX = "python:"
 # Modules of the package a python: reward may name without being on the reward path.
-BUILTIN_MODULES = ("trainer_svc.inputs.rewards",)
+BUILTIN_MODULES = ("trainer_svc.inputs.rewards", "trainer_svc.inputs.code_reward")
 
 
-class RewardNameError(ValueError):
+class RewardNameError(UserCodeError):
     """A reward spec that names nothing callable; ``spec`` and ``cause`` say what and why."""
 
-    def __init__(self, spec: str, cause: str) -> None:
-        super().__init__(f"reward {spec!r}: {cause}")
-        self.spec = spec
-        self.cause = cause
+    kind = "reward"
+    attr_word = "function"
 
 
 def final_answer_text(text: str) -> str:
@@ -102,9 +96,7 @@ def check_spec(spec: str) -> None:
             spec, f"unknown reward; use one of {', '.join(BUILTIN_REWARDS)} "
             "or python:<module>:<function>"
         )
-    parts = spec[len(PYTHON_PREFIX):].split(":")
-    if len(parts) != 2 or not all(parts):
-        raise RewardNameError(spec, "expected python:<module>:<function>")
+    split_spec(spec, RewardNameError)
 
 
 def resolve_reward(spec: str, reward_path: Sequence[str] = ()) -> RewardFn:
@@ -117,49 +109,5 @@ def resolve_reward(spec: str, reward_path: Sequence[str] = ()) -> RewardFn:
         return math_reward
     if spec == "exact":
         return exact_reward
-    module_name, attr = spec[len(PYTHON_PREFIX):].split(":")
-    dirs = [d for d in reward_path if d]
-    where = ":".join(dirs) or "(empty)"
-    if module_name not in BUILTIN_MODULES:
-        _check_on_reward_path(spec, module_name, dirs)
-    # Prepended in order, so the first directory listed wins, as on PATH.
-    for directory in reversed(dirs):
-        if directory not in sys.path:
-            sys.path.insert(0, directory)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is the user's to see
-        raise RewardNameError(
-            spec, f"cannot import module {module_name!r} (reward path {where}): "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    if module_name not in BUILTIN_MODULES and not _loaded_from(module, dirs):
-        raise RewardNameError(
-            spec, f"module {module_name!r} loads from {getattr(module, '__file__', None)!r}, "
-            f"not from the reward path {where} (a module of that name was imported already)")
-    fn: Any = getattr(module, attr, None)
-    if fn is None:
-        raise RewardNameError(spec, f"module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise RewardNameError(spec, f"{module_name}.{attr} is not callable")
-    result: RewardFn = fn
+    result: RewardFn = load_attr(spec, reward_path, BUILTIN_MODULES, RewardNameError)
     return result
-
-
-def _check_on_reward_path(spec: str, module_name: str, dirs: Sequence[str]) -> None:
-    """Refuse, before importing anything, a module whose top-level package is not in a
-    reward-path directory: an installed package's import-time code is not the user's to run."""
-    top = module_name.split(".", 1)[0]
-    if importlib.machinery.PathFinder.find_spec(top, list(dirs)) is None:
-        raise RewardNameError(
-            spec, f"cannot import module {module_name!r}: No module named {top!r} in the reward "
-            f"path {':'.join(dirs) or '(empty)'} (RLBOOST_REWARD_PATH; python: rewards come from "
-            f"there, or from {', '.join(BUILTIN_MODULES)})")
-
-
-def _loaded_from(module: Any, dirs: Sequence[str]) -> bool:
-    origin = getattr(module, "__file__", None)
-    if not origin:
-        return False
-    path = Path(origin).resolve()
-    return any(path.is_relative_to(Path(d).resolve()) for d in dirs)

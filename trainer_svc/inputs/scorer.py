@@ -7,8 +7,8 @@ Contract:
   (:mod:`trainer_svc.inputs.reward_worker`). ``reward_path`` and ``timeout_s`` are passed in by the
   caller (the trainer reads ``RLBOOST_REWARD_PATH`` and ``RLBOOST_REWARD_TIMEOUT_S`` into its
   config); this module reads no settings.
-- A worker's environment is :func:`worker_env` of the trainer's: only the variables on
-  :data:`WORKER_ENV` (and its prefixes), and the ``pass_env`` names the caller adds
+- A worker's environment is :func:`~trainer_svc.inputs.workers.worker_env` of the trainer's:
+  only the variables on its list, and the ``pass_env`` names the caller adds
   (RLBOOST_REWARD_ENV). The trainer's tokens and passwords (weights write token, NATS
   password, API token) stay out of reach of the user code a reward runs.
 - ``await start()`` starts every worker and resolves the function in each; a spec that names
@@ -31,50 +31,22 @@ math-verify refuses to run its ``signal.alarm`` timeouts off a process's main th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import socket
-import subprocess
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from trainer_svc.inputs.rewards import RewardNameError, check_spec
+from trainer_svc.inputs.workers import Worker, WorkerStartError, worker_env
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_WORKERS = 2
 DEFAULT_START_TIMEOUT_S = 60.0
-# The directory that holds the trainer_svc package (trainer_svc/inputs/scorer.py, two up).
-_ROOT = str(Path(__file__).resolve().parents[2])
-# The worker imports nothing of the trainer's (no torch; trainer_svc/__init__.py and
-# trainer_svc/inputs/__init__.py import nothing): starting it takes ~0.1 s plus the reward's
-# own imports.
-_BOOTSTRAP = (
-    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
-    "from trainer_svc.inputs.reward_worker import main; main(sys.argv[1:])"
-)
 Item = tuple[str, str, "str | None"]
-# What a reward function may need of the trainer's environment: finding programs and its home,
-# the locale, how Python starts and where it imports from, HF caches in offline mode, and how
-# many threads numeric libraries take. Nothing that names a service or carries a credential.
-WORKER_ENV = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP",
-    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED",
-    "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONWARNINGS", "PYTHONNOUSERSITE", "VIRTUAL_ENV",
-    "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "RLBOOST_REWARD_PATH",
-    "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-    "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE", "TOKENIZERS_PARALLELISM",
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS", "COVERAGE_PROCESS_START",
-})
-WORKER_ENV_PREFIXES = ("LC_",)  # the locale's categories
-
+_MODULE = "trainer_svc.inputs.reward_worker"
 log = logging.getLogger(__name__)
 _FAILURE_WORDS = {
     "raised": "raised an exception",
@@ -84,18 +56,8 @@ _FAILURE_WORDS = {
 }
 
 
-def worker_env(parent: Mapping[str, str], extra: Sequence[str] = ()) -> dict[str, str]:
-    """A reward worker's environment from the trainer's ``parent``: the variables named by
-    :data:`WORKER_ENV` (or starting with a :data:`WORKER_ENV_PREFIXES` prefix) and the
-    ``extra`` names the operator asked for (RLBOOST_REWARD_ENV); HF_TOKEN is not among them."""
-    env = {k: v for k, v in parent.items()
-           if k in WORKER_ENV or k.startswith(WORKER_ENV_PREFIXES)}
-    env.update({k: parent[k] for k in extra if k in parent})
-    return env
-
-
-class RewardWorkerError(RuntimeError):
-    """A reward worker that could not be started (not a reward function's own failure)."""
+# The name callers catch: a worker that could not start is not the reward's own failure.
+RewardWorkerError = WorkerStartError
 
 
 @dataclass(slots=True)
@@ -110,88 +72,6 @@ class RewardErrorCounts:
     @property
     def total(self) -> int:
         return self.raised + self.timeouts + self.invalid + self.crashed
-
-
-class _Worker:
-    """One worker process and its channel; used by one thread at a time."""
-
-    def __init__(self, spec: str, reward_path: Sequence[str], start_timeout_s: float,
-                 env: Mapping[str, str]) -> None:
-        self.spec = spec
-        self.reward_path = list(reward_path)
-        self.start_timeout_s = start_timeout_s
-        self.env = dict(env)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.conn: Connection | None = None
-
-    def ensure_started(self) -> None:
-        if self.proc is not None and self.proc.poll() is None and self.conn is not None:
-            return
-        self.kill()
-        ours, theirs = socket.socketpair()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOTSTRAP, _ROOT, str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-            )
-        finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
-        self.conn.send(("init", self.spec, self.reward_path))
-        if not self.conn.poll(self.start_timeout_s):
-            self.kill()
-            raise RewardWorkerError(
-                f"reward {self.spec!r}: worker did not start in {self.start_timeout_s:g}s"
-            )
-        try:
-            kind, detail = self.conn.recv()
-        except EOFError as exc:
-            self.kill()
-            raise RewardWorkerError(f"reward {self.spec!r}: worker exited at start") from exc
-        if kind == "init_error":
-            self.kill()
-            raise RewardNameError(self.spec, str(detail))
-
-    def call(self, item: Item, timeout_s: float) -> tuple[str, Any]:
-        """``("ok", value)`` or ``(failure kind, detail)``; never raises for the function."""
-        try:
-            self.ensure_started()
-        except (RewardWorkerError, RewardNameError, OSError) as exc:
-            return "crashed", f"could not restart the worker: {exc}"
-        assert self.conn is not None
-        try:
-            self.conn.send(item)
-            if not self.conn.poll(timeout_s):
-                self.kill()
-                return "timeouts", f"no result within {timeout_s:g}s; worker killed"
-            kind, detail = self.conn.recv()
-        except (EOFError, OSError) as exc:
-            code = self.proc.poll() if self.proc is not None else None
-            self.kill()
-            return "crashed", f"worker died mid-call (exit code {code}): {exc!r}"
-        return str(kind), detail
-
-    def kill(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def close(self) -> None:
-        """End the worker: a closed channel tells it to exit; a stuck one is killed."""
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=1.0)
-        self.kill()
 
 
 class RewardScorer:
@@ -220,10 +100,11 @@ class RewardScorer:
         self._log = logger or log
         self._logged: set[str] = set()
         env = worker_env(os.environ, pass_env)
-        self._workers = [_Worker(spec, [str(p) for p in reward_path], start_timeout_s, env)
+        init = ("init", spec, [str(p) for p in reward_path])
+        self._workers = [Worker(_MODULE, init, start_timeout_s, env, RewardNameError)
                          for _ in range(workers)]
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="reward")
-        self._idle: asyncio.Queue[_Worker] | None = None
+        self._idle: asyncio.Queue[Worker] | None = None
         self._closed = False
 
     async def start(self) -> None:
