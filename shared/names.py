@@ -172,6 +172,13 @@ def request_id(run_id: str, step: int, prompt_index: int, sample_index: int) -> 
     return f"{run_id}:{step}:{prompt_index}:{sample_index}"
 
 
+def call_id(rid: str, turn: int) -> str:
+    """The id of the environment call that answers model turn ``turn`` (1-based) of response
+    ``rid``: the same in every process and on every retry, so a tool with side effects
+    dedupes on it (docs/agentic.md)."""
+    return f"{rid}:t{turn}"
+
+
 def parse_request_id(rid: str) -> tuple[str, int, int, int]:
     run_id, step, prompt, sample = rid.rsplit(":", 3)
     return run_id, int(step), int(prompt), int(sample)
@@ -242,10 +249,24 @@ class Keys:
         return Keys.step(run_id, step) + ":done"
 
     @staticmethod
+    def tooling(run_id: str, step: int) -> str:
+        """Set of request ids of the step whose model turn ended and whose environment's
+        answer (the next observation, or the end) is awaited: leased to nobody meanwhile."""
+        return Keys.step(run_id, step) + ":tool"
+
+    @staticmethod
     def dropped(run_id: str, step: int) -> str:
         """Set of request ids of the step that dynamic sampling left out of its training data
         (complete but not kept, or aborted in flight); kept so their hashes are deleted too."""
         return Keys.step(run_id, step) + ":dropped"
+
+    @staticmethod
+    def step_sets(run_id: str, step: int) -> list[str]:
+        """Every set of the step's request ids: whatever state a response is in, it is in one
+        of these (what cleanup walks)."""
+        return [Keys.done(run_id, step), Keys.pending(run_id, step),
+                Keys.leased(run_id, step), Keys.dropped(run_id, step),
+                Keys.tooling(run_id, step)]
 
     @staticmethod
     def seeding(run_id: str) -> str:
