@@ -13,21 +13,32 @@ final commit does. A second answer to a turn (a call run again after its worker 
 result delivered twice) changes nothing: ``duplicate``. So a call may run more than once
 (at-least-once, deduplicated by its ``call_id``) and is committed once; the step counts
 ``tool_calls_committed`` and ``tokens_observed``.
+
+The tool pool (trainer side, trusted) pulls: ``rlb.trainer.tools`` claims a step's awaited
+calls (:meth:`Turns.on_claim`, ``lua/claim_calls.lua``: each held ``claim_s``, then handed out
+again if no answer came), ``rlb.trainer.answer`` commits one answer (:meth:`Turns.on_answer`)
+and announces what it completed, as ingest does for tokens. The state is Redis's alone; no
+new stream or permission: the trainer's credential already speaks ``rlb.trainer.*``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from manager_svc.announce import Announcer, Tally
 from manager_svc.scripts import register
+from manager_svc.soft_state import SoftState
 from shared import names
 from shared.digest import token_csv
 from shared.names import Keys
-from shared.protocol import ToolCall, ToolResult
+from shared.protocol import Ack, ToolCall, ToolCalls, ToolClaim, ToolResult
+
+log = logging.getLogger("manager")
 
 # Text of an observation kept with its turn (the ids are what trains; the text is for people
 # and for a tool that dedupes by looking): longer is cut here, not refused.
@@ -57,9 +68,13 @@ def observation_turns(stored: str | None) -> list[Turn]:
 
 
 class Turns:
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, announcer: Announcer | None = None,
+                 soft: SoftState | None = None) -> None:
         self.r = redis
+        self.announcer = announcer  # tells the trainer of the groups and steps answers end
+        self.soft = soft  # woken when a response is pending again
         self._answer = register(redis, "turn.lua")
+        self._claim = register(redis, "claim_calls.lua")
         base = Keys.step("r", 0)
         self._suffixes = [k.removeprefix(base) for k in (
             Keys.tooling("r", 0), Keys.pending("r", 0), Keys.done("r", 0))]
@@ -97,3 +112,34 @@ class Turns:
             result.observation[:OBSERVATION_TEXT_MAX], "1" if result.done else "0", reward])
         status, n = str(got).split(" ")
         return Answered(status, int(n))
+
+    async def on_claim(self, claim: ToolClaim) -> ToolCalls:
+        """Up to ``claim.limit`` of the step's awaited calls no worker holds, each now held
+        ``claim.claim_s``."""
+        rids = await self._claim(keys=[Keys.run(claim.run_id)], args=[
+            int(time.time() * 1000), Keys.tooling(claim.run_id, claim.step),
+            int(claim.claim_s * 1000), claim.limit])
+        calls = [await self.call(str(rid)) for rid in rids]
+        return ToolCalls(calls=[c for c in calls if c is not None])
+
+    async def on_answer(self, result: ToolResult) -> Ack:
+        """Commit one answer; the reply's detail is its status (``duplicate``: answered
+        before, nothing changed)."""
+        if result.call_id != names.call_id(result.request_id, result.turn):
+            return Ack(ok=False, detail="call_id does not name this request's turn")
+        got = await self.answer(result)
+        if got.status == "unknown":
+            return Ack(ok=False, detail=f"no response {result.request_id} awaits an answer")
+        run_id, step, prompt, _ = names.parse_request_id(result.request_id)
+        if got.status == "ok" and self.soft is not None:
+            self.soft.wake.set()  # pending again: dispatch leases it
+        if got.status in ("final", "group", "step") and self.announcer is not None:
+            t = Tally()
+            if got.status == "final":
+                t.finished.append(result.request_id)
+            else:
+                t.ended.append((run_id, step, prompt))
+                if got.status == "step":
+                    t.steps.append((run_id, step))
+            await self.announcer.announce(t)
+        return Ack(detail=got.status)

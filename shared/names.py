@@ -6,7 +6,8 @@ Subjects (core NATS unless marked JetStream):
     rlb.inst.assign.<id>.<fp>   manager -> one instance (Assign, Revoke)
     rlb.chunk.<run>.<id>.<fp>   instance -> manager, JetStream stream RLB_CHUNKS (TokenFrame)
     rlb.trainer.<verb>          trainer -> manager, request/reply
-                                (poll|start|samples|finish|fail|record|warn)
+                                (poll|start|samples|finish|fail|record|warn|extend|close|
+                                tools|answer)
     rlb.evt.group.<run>         manager -> trainer, best effort (GroupDone)
     rlb.evt.handoff.<run>       manager -> trainer, best effort (Handoff): seeding window over
     rlb.evt.barrier.<run>       manager -> trainer, best effort (Barrier); the trainer also polls
@@ -50,6 +51,8 @@ TRAINER_RECORD = f"{PREFIX}.trainer.record"
 TRAINER_WARN = f"{PREFIX}.trainer.warn"
 TRAINER_EXTEND = f"{PREFIX}.trainer.extend"  # dynamic sampling: more prompts for a step
 TRAINER_CLOSE = f"{PREFIX}.trainer.close"  # dynamic sampling: the step's groups are decided
+TRAINER_TOOLS = f"{PREFIX}.trainer.tools"  # agentic runs: claim awaited environment calls
+TRAINER_ANSWER = f"{PREFIX}.trainer.answer"  # agentic runs: an environment's answer
 WEIGHTS_ANNOUNCE = f"{PREFIX}.weights.announce"
 CHUNK_WILDCARD = f"{PREFIX}.chunk.>"
 AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"

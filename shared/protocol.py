@@ -431,6 +431,20 @@ class ToolCall(Msg):
     action_start: Count  # where the turn's own ids begin in response_token_ids
 
 
+class ToolClaim(Msg):
+    """The tool pool asks for up to ``limit`` of a step's awaited calls, each held for
+    ``claim_s`` (then handed out again, should no answer come)."""
+
+    run_id: Short
+    step: Count
+    limit: Annotated[int, msgspec.Meta(ge=1, le=256)] = 32
+    claim_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600.0)] = 30.0
+
+
+class ToolCalls(Msg):
+    calls: list[ToolCall] = msgspec.field(default_factory=list)
+
+
 class ToolResult(Msg):
     """The environment's answer to one model turn: the observation's ids (rendered by the run's
     chat template and tokenized once, on the tool pool), or the end of the response."""

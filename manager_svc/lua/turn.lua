@@ -22,6 +22,7 @@ local tool = step .. ARGV[3]
 if redis.call('SREM', tool, rid) == 0 then return 'duplicate ' .. n end
 wrote(tool)
 redis.call('HINCRBY', step, 'tool_calls_committed', 1)
+redis.call('HDEL', req, 'claim_until')  -- the next turn's call is a new one
 local max = tonumber(st[4])
 local finish = ''
 if ARGV[13] ~= '' then redis.call('HSET', req, 'env_reward', ARGV[13]) end

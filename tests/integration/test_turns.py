@@ -5,6 +5,7 @@ allowed, the budget); a copy of either, delivered again, changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from rlboost.stack import Stack
 from shared import names
 from shared.bus import connect_redis
 from shared.names import Keys, request_id
-from shared.protocol import FrameEntry, TokenFrame, ToolResult
+from shared.protocol import FrameEntry, TokenFrame, ToolClaim, ToolResult
 from shared.spec import RunSpec
 
 BUDGET = 12  # max_new_tokens: observations count in it
@@ -146,3 +147,31 @@ async def test_a_single_turn_run_is_untouched(brokers: Stack, tmp_path: Path) ->
         assert await redis.hget(Keys.request(p.rid(0)), "turn") is None
     finally:
         await redis.aclose()
+
+
+async def test_calls_are_handed_out_once_per_claim_and_again_when_it_lapses(
+        parts: Parts) -> None:
+    """The tool pool's side: a claimed call is not handed out again while its claim lasts (a
+    second worker gets the others), is handed out again once it lapses unanswered (its worker
+    died: the same call id runs again), and never once answered."""
+    p = parts
+    for sample in (0, 1):
+        assert (await model_turn(p, sample, 0, [5, 6]))[0] == "tool"
+    first = await p.turns.on_claim(ToolClaim(run_id=p.run_id, step=0, limit=1, claim_s=0.3))
+    second = await p.turns.on_claim(ToolClaim(run_id=p.run_id, step=0, limit=8, claim_s=0.3))
+    assert len(first.calls) == len(second.calls) == 1
+    assert {first.calls[0].request_id, second.calls[0].request_id} == {p.rid(0), p.rid(1)}
+    assert not (await p.turns.on_claim(ToolClaim(run_id=p.run_id, step=0))).calls
+    lost = first.calls[0]
+    wrong = await p.turns.on_answer(ToolResult(
+        request_id=lost.request_id, turn=lost.turn, call_id=names.call_id(p.rid(2), 1)))
+    assert not wrong.ok and "call_id" in wrong.detail
+    answered = await p.turns.on_answer(answer(second.calls[0].request_id, 1, [100]))
+    assert (answered.ok, answered.detail) == (True, "ok")
+    await asyncio.sleep(0.35)
+    again = await p.turns.on_claim(ToolClaim(run_id=p.run_id, step=0))
+    assert [(c.request_id, c.call_id) for c in again.calls] == [(lost.request_id, lost.call_id)]
+    late = await p.turns.on_answer(answer(second.calls[0].request_id, 1, [100]))
+    assert (late.ok, late.detail) == (True, "duplicate")
+    never = await p.turns.on_answer(answer(p.rid(2), 1, [100]))  # no turn of it ended
+    assert not never.ok and p.rid(2) in never.detail
