@@ -97,9 +97,11 @@ class Turns:
             return None
         turns = observation_turns(stored)
         ids = [int(t) for t in str(tokens or "").split(",") if t]
-        return ToolCall(request_id=request_id, turn=int(turn),
-                        call_id=names.call_id(request_id, int(turn)), response_token_ids=ids,
-                        action_start=turns[-1].end if turns else 0)
+        # The scripts count ended model turns (1 after the first); a call names its turn
+        # 0-based, as the environment's call ids do.
+        return ToolCall(request_id=request_id, turn=int(turn) - 1,
+                        call_id=names.call_id(request_id, int(turn) - 1),
+                        response_token_ids=ids, action_start=turns[-1].end if turns else 0)
 
     async def answer(self, result: ToolResult) -> Answered:
         """Commit ``result`` once (``lua/turn.lua``)."""
@@ -107,7 +109,7 @@ class Turns:
         reward = "" if result.reward is None else repr(float(result.reward))
         got = await self._answer(keys=[Keys.run(run_id)], args=[
             time.time(), Keys.step(run_id, step), *self._suffixes, result.request_id,
-            result.turn, token_csv(result.observation_token_ids),
+            result.turn + 1, token_csv(result.observation_token_ids),
             len(result.observation_token_ids), result.call_id,
             result.observation[:OBSERVATION_TEXT_MAX], "1" if result.done else "0", reward])
         status, n = str(got).split(" ")

@@ -175,11 +175,13 @@ def request_id(run_id: str, step: int, prompt_index: int, sample_index: int) -> 
     return f"{run_id}:{step}:{prompt_index}:{sample_index}"
 
 
-def call_id(rid: str, turn: int) -> str:
-    """The id of the environment call that answers model turn ``turn`` (1-based) of response
-    ``rid``: the same in every process and on every retry, so a tool with side effects
-    dedupes on it (docs/agentic.md)."""
-    return f"{rid}:t{turn}"
+def call_id(request_id: str, turn: int) -> str:
+    """The id of a trajectory's tool call at ``turn`` (0-based): ``<request id>:<turn>``, a pure
+    function of (run, step, prompt, sample, turn), so a call run again after a fault carries the
+    same id and a tool with side effects can dedupe on it."""
+    if turn < 0:
+        raise ValueError(f"turn must be >= 0, got {turn}")
+    return f"{request_id}:{turn}"
 
 
 def parse_request_id(rid: str) -> tuple[str, int, int, int]:

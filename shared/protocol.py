@@ -425,7 +425,7 @@ class ToolCall(Msg):
     tokenizer) decodes the action without reading the manager's state."""
 
     request_id: RequestId
-    turn: Count  # the model turn answered, 1-based
+    turn: Count  # the model turn answered, 0-based
     call_id: Annotated[str, msgspec.Meta(max_length=120)]  # shared.names.call_id
     response_token_ids: list[int]  # everything after the prompt so far, the turn's end included
     action_start: Count  # where the turn's own ids begin in response_token_ids

@@ -84,22 +84,22 @@ async def test_a_turn_waits_for_its_answer_which_is_committed_once(parts: Parts)
     call = await p.turns.call(rid)
     assert call is not None
     assert (call.turn, call.call_id, call.response_token_ids, call.action_start) == (
-        1, f"{rid}:t1", [5, 6, 7], 0)
-    first = await p.turns.answer(answer(rid, 1, [100, 101]))
-    again = await p.turns.answer(answer(rid, 1, [100, 101]))  # a call run twice
+        0, f"{rid}:0", [5, 6, 7], 0)
+    first = await p.turns.answer(answer(rid, 0, [100, 101]))
+    again = await p.turns.answer(answer(rid, 0, [100, 101]))  # a call run twice
     assert (first.status, first.n, again.status) == ("ok", 5, "duplicate")
     assert await p.redis.get(Keys.tokens(rid)) == "5,6,7,100,101"
     assert await p.redis.sismember(Keys.pending(p.run_id, 0), rid)
     assert await p.turns.call(rid) is None  # answered: nothing to ask
     stored = await p.redis.hget(Keys.request(rid), "obs")
-    assert observation_turns(stored) == [Turn(3, 5, f"{rid}:t1", "obs 1")]
+    assert observation_turns(stored) == [Turn(3, 5, f"{rid}:0", "obs 0")]
     # The next model turn continues from the observation; the environment ends it.
     assert await model_turn(p, 0, 5, [8, 9]) == ["tool", "duplicate"]
     call = await p.turns.call(rid)
-    assert call is not None and (call.turn, call.action_start) == (2, 5)
-    done = await p.turns.answer(answer(rid, 2, [], done=True, reward=0.5))
+    assert call is not None and (call.turn, call.action_start) == (1, 5)
+    done = await p.turns.answer(answer(rid, 1, [], done=True, reward=0.5))
     assert (done.status, done.n) == ("final", 7)
-    assert (await p.turns.answer(answer(rid, 2, [], done=True))).status == "duplicate"
+    assert (await p.turns.answer(answer(rid, 1, [], done=True))).status == "duplicate"
     req = await p.redis.hgetall(Keys.request(rid))
     assert (req["done"], req["finish"], req["env_reward"]) == ("1", "stop", "0.5")
     assert await p.redis.sismember(Keys.done(p.run_id, 0), rid)
@@ -112,20 +112,20 @@ async def test_the_last_turn_allowed_and_the_budget_end_a_response(parts: Parts)
     p = parts
     # Sample 1: three model turns, each answered; the third's answer ends it ("turns").
     rid, offset = p.rid(1), 0
-    for turn in (1, 2, 3):
+    for turn in (0, 1, 2):
         assert (await model_turn(p, 1, offset, [5]))[0] == "tool"
         got = await p.turns.answer(answer(rid, turn, [100]))
-        offset += 1 if turn == 3 else 2
-        assert (got.status, got.n) == (("final", 5) if turn == 3 else ("ok", offset))
+        offset += 1 if turn == 2 else 2
+        assert (got.status, got.n) == (("final", 5) if turn == 2 else ("ok", offset))
     assert await p.redis.hget(Keys.request(rid), "finish") == "turns"
     # Sample 2: an answer past the budget is cut to what fits, and the budget ends it.
     rid = p.rid(2)
     assert (await model_turn(p, 2, 0, [5] * 9))[0] == "tool"
-    got = await p.turns.answer(answer(rid, 1, [100, 101, 102, 103, 104]))
+    got = await p.turns.answer(answer(rid, 0, [100, 101, 102, 103, 104]))
     assert (got.status, got.n) == ("final", BUDGET)
     assert await p.redis.get(Keys.tokens(rid)) == "5,5,5,5,5,5,5,5,5,100,101,102"
     assert observation_turns(await p.redis.hget(Keys.request(rid), "obs")) == [
-        Turn(9, 12, names.call_id(rid, 1), "obs 1")]
+        Turn(9, 12, names.call_id(rid, 0), "obs 0")]
     assert await p.redis.hget(Keys.request(rid), "finish") == "length"
     # A model turn that ends at the budget ends the response; no environment is asked.
     assert await model_turn(p, 0, 0, [5] * BUDGET, finish="length") == ["step", "duplicate"]
@@ -164,14 +164,14 @@ async def test_calls_are_handed_out_once_per_claim_and_again_when_it_lapses(
     assert not (await p.turns.on_claim(ToolClaim(run_id=p.run_id, step=0))).calls
     lost = first.calls[0]
     wrong = await p.turns.on_answer(ToolResult(
-        request_id=lost.request_id, turn=lost.turn, call_id=names.call_id(p.rid(2), 1)))
+        request_id=lost.request_id, turn=lost.turn, call_id=names.call_id(p.rid(2), 0)))
     assert not wrong.ok and "call_id" in wrong.detail
-    answered = await p.turns.on_answer(answer(second.calls[0].request_id, 1, [100]))
+    answered = await p.turns.on_answer(answer(second.calls[0].request_id, 0, [100]))
     assert (answered.ok, answered.detail) == (True, "ok")
     await asyncio.sleep(0.35)
     again = await p.turns.on_claim(ToolClaim(run_id=p.run_id, step=0))
     assert [(c.request_id, c.call_id) for c in again.calls] == [(lost.request_id, lost.call_id)]
-    late = await p.turns.on_answer(answer(second.calls[0].request_id, 1, [100]))
+    late = await p.turns.on_answer(answer(second.calls[0].request_id, 0, [100]))
     assert (late.ok, late.detail) == (True, "duplicate")
-    never = await p.turns.on_answer(answer(p.rid(2), 1, [100]))  # no turn of it ended
+    never = await p.turns.on_answer(answer(p.rid(2), 0, [100]))  # no turn of it ended
     assert not never.ok and p.rid(2) in never.detail
