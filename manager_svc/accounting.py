@@ -127,7 +127,7 @@ class Ledger:
         base = Keys.step("r", 0)
         self._step_keys: dict[str, str] = {}  # "<run>:<step>" -> the step's key (_frame_arg)
         self._step_suffixes = [k.removeprefix(base) for k in (
-            Keys.leased("r", 0), Keys.done("r", 0), Keys.pending("r", 0))]
+            Keys.leased("r", 0), Keys.done("r", 0), Keys.pending("r", 0), Keys.tooling("r", 0))]
 
     async def create_step(
         self, run_id: str, step: int, version: int, prompts: list[list[int]], samples: int,

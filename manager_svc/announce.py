@@ -59,6 +59,8 @@ class Tally:
     ended: list[Group] = field(default_factory=list)  # groups complete, in commit order
     finished: list[str] = field(default_factory=list)  # responses complete, groups not
     steps: list[StepKey] = field(default_factory=list)  # steps complete
+    # responses whose model turn ended, awaiting their environment's answer (manager_svc.turns)
+    turned: list[str] = field(default_factory=list)
 
 
 class _StoredSample(msgspec.Struct, kw_only=True):
@@ -130,7 +132,7 @@ class Announcer:
             for entry in frame.entries:
                 status = next(statuses)
                 t.statuses[status] += 1
-                if status in ("ok", "final", "group", "step"):
+                if status in ("ok", "final", "group", "step", "tool"):
                     t.tokens += entry.n_tokens
                 elif status == "aborted":  # its step closed without it (dynamic sampling)
                     t.discarded += entry.n_tokens
@@ -138,6 +140,8 @@ class Announcer:
                     self._taken_back(frame, entry, status)
                 elif status == "final":
                     t.finished.append(entry.request_id)
+                elif status == "tool":
+                    t.turned.append(entry.request_id)
                 elif status in ("group", "step"):
                     run_id, step, prompt, _ = names.parse_request_id(entry.request_id)
                     t.ended.append((run_id, step, prompt))

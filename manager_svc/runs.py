@@ -253,8 +253,7 @@ class RunStore(RunHistory):
     async def _drop_step(self, run_id: str, step: int) -> None:
         """Delete a finished, archived step's responses and samples (its hash stays until
         the run retires: it is small, and its fault counters may still move)."""
-        sets = [Keys.done(run_id, step), Keys.pending(run_id, step), Keys.leased(run_id, step),
-                Keys.dropped(run_id, step)]
+        sets = Keys.step_sets(run_id, step)
         pipe = self.r.pipeline(transaction=False)
         for key in sets:
             pipe.smembers(key)
@@ -317,8 +316,7 @@ class RunStore(RunHistory):
                 Keys.run_instances(run_id), Keys.seeding(run_id), Keys.holders(run_id)]
         keys += [Keys.held(run_id, i) for i in await self.r.smembers(Keys.holders(run_id))]
         for n in range(step + 1):  # the current step too, if the run ended inside it
-            sets = [Keys.done(run_id, n), Keys.pending(run_id, n), Keys.leased(run_id, n),
-                    Keys.dropped(run_id, n)]
+            sets = Keys.step_sets(run_id, n)
             pipe = self.r.pipeline(transaction=False)
             for key in sets:
                 pipe.smembers(key)

@@ -45,6 +45,7 @@ from manager_svc.registry import Registry
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
 from manager_svc.trainer_api import TrainerApi
+from manager_svc.turns import Turns
 from manager_svc.version_gate import VersionGate
 from shared import names
 from shared.bus import connect_nats, connect_redis, ensure_chunk_stream
@@ -65,6 +66,8 @@ from shared.protocol import (
     StepRecordQuery,
     StepSamplesQuery,
     StepStart,
+    ToolClaim,
+    ToolResult,
     TrainerPoll,
     decode,
     encode,
@@ -141,6 +144,8 @@ class ManagerService:
         await self._serve(names.TRAINER_WARN, RunWarning, self.trainer.on_warning)
         await self._serve(names.TRAINER_EXTEND, StepExtend, self.dynamic.on_extend)
         await self._serve(names.TRAINER_CLOSE, StepClose, self.dynamic.on_close)
+        await self._serve(names.TRAINER_TOOLS, ToolClaim, self.turns.on_claim)
+        await self._serve(names.TRAINER_ANSWER, ToolResult, self.turns.on_answer)
         self._tasks = [
             asyncio.create_task(self._supervised(self.ingest.consume), name="chunk-ingest"),
             asyncio.create_task(self._supervised(self.dispatcher.run), name="dispatch"),
@@ -170,6 +175,7 @@ class ManagerService:
                                      self.ingest, metrics, soft, crash, self.leader)
         self.trainer = TrainerApi(redis, self.ledger, self.runs, self.registry, metrics, soft)
         self.dynamic = DynamicSteps(nc, self.ledger, self.runs, self.ingest, metrics, soft)
+        self.turns = Turns(redis, self.ingest.announcer, soft)
 
     async def stop(self) -> None:
         if self.soft.stopping:

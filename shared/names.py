@@ -6,7 +6,8 @@ Subjects (core NATS unless marked JetStream):
     rlb.inst.assign.<id>.<fp>   manager -> one instance (Assign, Revoke)
     rlb.chunk.<run>.<id>.<fp>   instance -> manager, JetStream stream RLB_CHUNKS (TokenFrame)
     rlb.trainer.<verb>          trainer -> manager, request/reply
-                                (poll|start|samples|finish|fail|record|warn)
+                                (poll|start|samples|finish|fail|record|warn|extend|close|
+                                tools|answer)
     rlb.evt.group.<run>         manager -> trainer, best effort (GroupDone)
     rlb.evt.handoff.<run>       manager -> trainer, best effort (Handoff): seeding window over
     rlb.evt.barrier.<run>       manager -> trainer, best effort (Barrier); the trainer also polls
@@ -50,6 +51,8 @@ TRAINER_RECORD = f"{PREFIX}.trainer.record"
 TRAINER_WARN = f"{PREFIX}.trainer.warn"
 TRAINER_EXTEND = f"{PREFIX}.trainer.extend"  # dynamic sampling: more prompts for a step
 TRAINER_CLOSE = f"{PREFIX}.trainer.close"  # dynamic sampling: the step's groups are decided
+TRAINER_TOOLS = f"{PREFIX}.trainer.tools"  # agentic runs: claim awaited environment calls
+TRAINER_ANSWER = f"{PREFIX}.trainer.answer"  # agentic runs: an environment's answer
 WEIGHTS_ANNOUNCE = f"{PREFIX}.weights.announce"
 CHUNK_WILDCARD = f"{PREFIX}.chunk.>"
 AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"
@@ -251,10 +254,24 @@ class Keys:
         return Keys.step(run_id, step) + ":done"
 
     @staticmethod
+    def tooling(run_id: str, step: int) -> str:
+        """Set of request ids of the step whose model turn ended and whose environment's
+        answer (the next observation, or the end) is awaited: leased to nobody meanwhile."""
+        return Keys.step(run_id, step) + ":tool"
+
+    @staticmethod
     def dropped(run_id: str, step: int) -> str:
         """Set of request ids of the step that dynamic sampling left out of its training data
         (complete but not kept, or aborted in flight); kept so their hashes are deleted too."""
         return Keys.step(run_id, step) + ":dropped"
+
+    @staticmethod
+    def step_sets(run_id: str, step: int) -> list[str]:
+        """Every set of the step's request ids: whatever state a response is in, it is in one
+        of these (what cleanup walks)."""
+        return [Keys.done(run_id, step), Keys.pending(run_id, step),
+                Keys.leased(run_id, step), Keys.dropped(run_id, step),
+                Keys.tooling(run_id, step)]
 
     @staticmethod
     def seeding(run_id: str) -> str:

@@ -416,6 +416,48 @@ class WeightsAnnounce(Msg):
     weight_version: int
 
 
+# --- manager <-> tool pool (agentic runs; docs/agentic.md) ------------------------------------
+
+
+class ToolCall(Msg):
+    """A model turn of ``request_id`` ended: its environment is asked for the answer. Carries
+    the response's committed ids, so the tool pool (on the reserved side, with the run's
+    tokenizer) decodes the action without reading the manager's state."""
+
+    request_id: RequestId
+    turn: Count  # the model turn answered, 0-based
+    call_id: Annotated[str, msgspec.Meta(max_length=120)]  # shared.names.call_id
+    response_token_ids: list[int]  # everything after the prompt so far, the turn's end included
+    action_start: Count  # where the turn's own ids begin in response_token_ids
+
+
+class ToolClaim(Msg):
+    """The tool pool asks for up to ``limit`` of a step's awaited calls, each held for
+    ``claim_s`` (then handed out again, should no answer come)."""
+
+    run_id: Short
+    step: Count
+    limit: Annotated[int, msgspec.Meta(ge=1, le=256)] = 32
+    claim_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600.0)] = 30.0
+
+
+class ToolCalls(Msg):
+    calls: list[ToolCall] = msgspec.field(default_factory=list)
+
+
+class ToolResult(Msg):
+    """The environment's answer to one model turn: the observation's ids (rendered by the run's
+    chat template and tokenized once, on the tool pool), or the end of the response."""
+
+    request_id: RequestId
+    turn: Count
+    call_id: Annotated[str, msgspec.Meta(max_length=120)]
+    observation_token_ids: list[int] = msgspec.field(default_factory=list)
+    observation: Annotated[str, msgspec.Meta(max_length=65536)] = ""
+    done: bool = False  # the environment ended the response: no observation is appended
+    reward: float | None = None  # the environment's own reward, if it gives one
+
+
 # --- codec -----------------------------------------------------------------------------------
 
 T = TypeVar("T")

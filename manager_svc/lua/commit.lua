@@ -1,7 +1,8 @@
 -- Commits token frames' entries in order, each exactly as if alone (a frame only saves messages,
 -- round trips and script calls; every entry is still checked against its own response's lease,
 -- epoch and offset). KEYS: the run's record key (names the run's slot; every entry is of that
--- run). ARGV: now, leased/done/pending suffixes of the step key, then one JSON array per frame: [instance, kind, entries], an entry
+-- run). ARGV: now, leased/done/pending/tool suffixes of the step key, then one JSON array per
+-- frame: [instance, kind, entries], an entry
 -- being [request id, epoch, version, offset, ntok, tokens csv, final, finish, step key] (see
 -- Ledger._frame_arg; one argument per frame, as packing arguments was most of the commit's
 -- CPU). Returns "status n,status n,..." per entry, in order.
@@ -19,7 +20,7 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
                       step)
   local req, lease, leased = req_key(rid), lease_key(rid), step .. ARGV[2]
   local st = redis.call('HMGET', req, 'done', 'epoch', 'n', 'version', 'max', 'last', 'p',
-                        'tokens')
+                        'tokens', 'turn')
   if not st[2] then return 'unknown', 0 end  -- every request hash has an epoch
   local epoch = tonumber(epoch_s)
   local cur, n = tonumber(st[2]), tonumber(st[3])
@@ -35,6 +36,13 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
     count(step, 'stale_chunks_rejected', 1)
     count(step, 'tokens_regenerated', ntok)
     return 'stale', n
+  end
+  -- An agentic response's turn ended with the lease: a copy of the turn's entries delivered
+  -- again finds no lease, and is a duplicate, not stale work.
+  if st[9] and epoch == cur and ((ntok > 0 and offset + ntok <= n) or (ntok == 0 and offset < n))
+  then
+    count(step, 'duplicate_chunks_dropped', 1)
+    return 'duplicate', n
   end
   if epoch ~= cur or redis.call('GET', lease) ~= (inst .. ':' .. epoch_s) then
     count(step, 'stale_chunks_rejected', 1)
@@ -77,6 +85,17 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
     end
   end
   if final ~= '1' then return 'ok', n end
+  if finish == 'stop' and tonumber(redis.call('HGET', step, 'max_turns') or '1') > 1 then
+    -- A model turn of an agentic run ended: its lease ends with it, and the response waits,
+    -- leased to nobody, for its environment's answer (turn.lua); 'tool' tells ingest to ask.
+    redis.call('HINCRBY', req, 'turn', 1)
+    redis.call('HSET', req, 'await_at', now)
+    redis.call('DEL', lease)
+    release_owner(req, rid)
+    redis.call('SMOVE', leased, step .. ARGV[5], rid)
+    wrote(step .. ARGV[5])
+    return 'tool', n
+  end
   redis.call('HSET', req, 'done', '1', 'finish', finish)
   redis.call('DEL', lease)
   release_owner(req, rid)
@@ -90,7 +109,7 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
   return 'final', n
 end
 local out = {}
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   local f = cjson.decode(ARGV[i])
   local inst, kind = f[1], f[2]
   for _, e in ipairs(f[3]) do
