@@ -72,3 +72,23 @@ def test_eos_ids_from_generation_config_then_tokenizer(chat_tok: Any, tmp_path: 
     (tmp_path / "generation_config.json").write_text("{}")
     with pytest.raises(ChatFormatError, match="no EOS token id"):
         eos_token_ids(tmp_path, NoEos())
+
+
+def test_an_observation_continues_a_trajectory_as_the_template_renders_it(
+        chat_tok: Any) -> None:
+    """Prompt ids + the model's sampled turn (to its end-of-turn id) + the observation's ids
+    decode to exactly what the template renders for the whole conversation, and the
+    observation's ids are the template's text between the turns, tokenized once."""
+    chat = ChatFormat(chat_tok)
+    prompt = chat.render("Tom has 2 cards and buys 3.")
+    turn = chat_tok("<calc>2+3</calc><|im_end|>", add_special_tokens=False)["input_ids"]
+    obs = chat.observation("5", turn_end=turn[-1])
+    assert chat_tok.decode(obs) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    conversation = [{"role": "user", "content": "Tom has 2 cards and buys 3."},
+                    {"role": "assistant", "content": "<calc>2+3</calc>"},
+                    {"role": "tool", "content": "5"}]
+    rendered = chat_tok.apply_chat_template(conversation, tokenize=False,
+                                            add_generation_prompt=True)
+    assert chat_tok.decode(prompt.prompt_token_ids + turn + obs) == rendered
+    assert ChatFormat(chat_tok, chat_template=False).observation("5", turn[-1]) == chat_tok(
+        "5", add_special_tokens=False)["input_ids"]

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 
 class ChatFormatError(ValueError):
     """A chat option that the tokenizer cannot honour; ``reason`` says which and why."""
@@ -92,6 +94,38 @@ class ChatFormat:
             raise ChatFormatError(f"the chat template rendered {type(text).__name__}, not text")
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return RenderedPrompt(prompt, text, ids)
+
+    def observation(self, text: str, turn_end: int) -> list[int]:
+        """The ids of an environment's answer ``text`` after a model turn whose last sampled
+        id is ``turn_end`` (its end-of-turn token): the template's tool message, then the
+        generation prompt of the next model turn. Tokenized once, here; what the model
+        sampled is never rendered again. The template's text between the two turns is found
+        as the difference of two renderings (with and without the tool message), from where
+        the model's turn ended; a template that knows no ``tool`` role gets the answer as a
+        user message. Without a template the answer follows as plain text."""
+        if not self.use_template:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        history = [*self.messages("\x00"), {"role": "assistant", "content": "\x01"}]
+        base = self._render(history, generation_prompt=False)
+        try:
+            full = self._render([*history, {"role": "tool", "content": text}], True)
+        except TemplateError:  # a template that refuses the role (raise_exception)
+            full = self._render([*history, {"role": "user", "content": text}], True)
+        ended = self.tokenizer.decode([turn_end])
+        after_turn = base.index("\x01") + 1
+        cut = base.find(ended, after_turn) if ended else -1
+        if not full.startswith(base) or cut < 0:
+            raise ChatFormatError("the chat template does not render a conversation as a "
+                                  "prefix of its continuation; it cannot serve turns")
+        rest = base[cut + len(ended):] + full[len(base):]
+        return list(self.tokenizer(rest, add_special_tokens=False)["input_ids"])
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt)
+        if not isinstance(text, str):
+            raise ChatFormatError(f"the chat template rendered {type(text).__name__}, not text")
+        return text
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """A response's text, special tokens (EOS, end of turn, padding) skipped."""
