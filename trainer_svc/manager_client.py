@@ -33,6 +33,10 @@ from shared.protocol import (
     StepSamples,
     StepSamplesQuery,
     StepStart,
+    ToolCall,
+    ToolCalls,
+    ToolClaim,
+    ToolResult,
     TrainerPoll,
 )
 from trainer_svc.errors import RunAborted
@@ -76,6 +80,17 @@ class ManagerClient:
             if ack.retryable:  # the step is redone from the manager's state
                 raise PeerError(subject, ack.detail, True)
             raise RunAborted(ack.detail)
+
+    async def claim_tools(self, claim: ToolClaim) -> list[ToolCall]:
+        """Agentic runs: some of the step's awaited environment calls, each now held by this
+        trainer for ``claim.claim_s`` (then handed out again if unanswered)."""
+        return (await request(self.nc, names.TRAINER_TOOLS, claim, ToolCalls,
+                              STATUS_TIMEOUT_S)).calls
+
+    async def answer(self, result: ToolResult) -> Ack:
+        """Agentic runs: commit one environment answer; ``detail`` is its status (``duplicate``:
+        the turn was answered before, nothing changed)."""
+        return await request(self.nc, names.TRAINER_ANSWER, result, Ack, STATUS_TIMEOUT_S)
 
     async def step_state(self, run_id: str, step: int) -> StepSamples:
         """Where the step is (samples done, may training start, the barrier's digest), without

@@ -121,6 +121,7 @@ class EnvPool:
                              f"{max_turns}, max_observation_tokens {max_observation_tokens}: "
                              "each must be positive")
         self.spec, self.tool_s, self.max_turns = spec, tool_s, max_turns
+        self.workers = workers  # calls that can run at once
         self.budget, self.fit = max_observation_tokens, fit
         self._log = logger or log
         self._logged: set[str] = set()
