@@ -381,7 +381,7 @@ class StepFinish(Msg):
 STEP_STATS = frozenset({
     "kl", "entropy", "clip_fraction", "grad_norm", "advantage_mean", "advantage_std",
     "response_len_mean", "response_len_max", "truncated_fraction", "streamed_fraction",
-    "optimizer_steps", "peak_memory_bytes", "tokens_per_s_train",
+    "optimizer_steps", "peak_memory_bytes", "tokens_per_s_train", "trained_tokens",
 })
 
 
