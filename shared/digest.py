@@ -3,7 +3,10 @@
 Contract: the manager (at the barrier, from what Redis holds) and the trainer (over what it
 trained on) compute a step's :class:`~shared.protocol.Digest` with these functions alone, in
 one format, so equal digests mean the same responses, each once, with the same tokens
-(invariant 3). The digest is order-independent and covers ids, weight versions and tokens.
+(invariant 3). The digest is order-independent and covers ids, weight versions and tokens, and
+a multi-turn sample's turns (:func:`turns_json`): they decide which tokens are trained, so two
+steps that differ only in them trained on different data. A sample without turns hashes as it
+did before turns existed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import hashlib
 import msgspec
 
 from shared.protocol import Digest, Sample
+from shared.turns import Turn
 
 _encoder = msgspec.json.Encoder()
 
@@ -24,14 +28,22 @@ RowDigest = tuple[int, int, bytes, int]
 
 
 def sample_digest(samples: list[Sample]) -> Digest:
-    """Digest of a step's training data: order-independent, over ids and tokens only.
+    """Digest of a step's training data: order-independent, over ids, tokens and turns.
 
     Both the manager (at the barrier) and the trainer (over what it trained on) compute it in
     this one format, so equality means the same responses, each once, with the same tokens.
     """
-    return csv_digest([(s.prompt_index, s.sample_index, s.weight_version,
-                        token_csv(s.prompt_token_ids), token_csv(s.response_token_ids))
-                       for s in samples])
+    return rows_digest([row_digest(s.prompt_index, s.sample_index, s.weight_version,
+                                   token_csv(s.prompt_token_ids), token_csv(s.response_token_ids),
+                                   turns_json(s.turns))
+                        for s in samples])
+
+
+def turns_json(turns: list[Turn]) -> str:
+    """A sample's turns as the digest hashes them: their JSON array, fields in declaration
+    order ("" for none). The manager, once it stores turns, passes the same text to
+    :func:`row_digest`."""
+    return _encoder.encode(turns).decode() if turns else ""
 
 
 def token_json(ids: list[int]) -> bytes:
@@ -47,14 +59,17 @@ def token_csv(ids: list[int]) -> str:
 
 
 def csv_digest(rows: list[tuple[int, int, int, str, str]]) -> Digest:
-    """:func:`sample_digest` of (prompt index, sample index, weight version, prompt tokens,
-    response tokens) rows whose tokens are comma-separated text, as Redis stores them."""
+    """:func:`sample_digest` of single-turn (prompt index, sample index, weight version, prompt
+    tokens, response tokens) rows whose tokens are comma-separated text, as Redis stores them."""
     return rows_digest([row_digest(*row) for row in rows])
 
 
-def row_digest(p: int, s: int, version: int, prompt: str, response: str) -> RowDigest:
-    """One row of :func:`csv_digest`: its hash covers the ids, the version and every token."""
-    body = f"{p}:{s}:{version}|{prompt}|{response};".encode()
+def row_digest(p: int, s: int, version: int, prompt: str, response: str,
+               turns: str = "") -> RowDigest:
+    """One row of :func:`csv_digest`: its hash covers the ids, the version, every token and,
+    for a multi-turn sample, its :func:`turns_json` (a single-turn row hashes as before)."""
+    tail = f"|{turns}" if turns else ""
+    body = f"{p}:{s}:{version}|{prompt}|{response}{tail};".encode()
     tokens = response.count(",") + 1 if response else 0
     return p, s, hashlib.sha256(body).digest(), tokens
 

@@ -23,6 +23,7 @@ import msgspec
 from shared.errors import ProtocolError
 from shared.names import INSTANCE_ID_MAX, INSTANCE_ID_PATTERN, REQUEST_ID_PATTERN
 from shared.spec import RunSpec
+from shared.turns import Turn
 
 # The version of this module's messages. An instance speaking another one is refused at its
 # first heartbeat with both versions named (:class:`Refused`), not dropped beat by beat as
@@ -262,6 +263,10 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_text: str | None = None  # as fed to the model, template applied
     response_text: str | None = None  # decoded, special tokens skipped: what the reward saw
     answer: str | None = None  # the dataset's answer
+    # Multi-turn (shared.turns): the response's turns, and the loss mask they give (1: a model
+    # token, trained; 0: an observation token). Empty: one model turn, every token trained.
+    turns: list[Turn] = []
+    loss_mask: list[int] = []
 
 
 class Digest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -376,7 +381,7 @@ class StepFinish(Msg):
 STEP_STATS = frozenset({
     "kl", "entropy", "clip_fraction", "grad_norm", "advantage_mean", "advantage_std",
     "response_len_mean", "response_len_max", "truncated_fraction", "streamed_fraction",
-    "optimizer_steps", "peak_memory_bytes", "tokens_per_s_train",
+    "optimizer_steps", "peak_memory_bytes", "tokens_per_s_train", "trained_tokens",
 })
 
 

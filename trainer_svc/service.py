@@ -47,6 +47,7 @@ from shared.protocol import (
 )
 from shared.settings import reveal
 from shared.spec import RunSpec
+from shared.turns import TurnsError, loss_mask
 from shared.weights import upload_version
 from trainer_svc.dynamic_sampling import Close, Extend, GroupFilter
 from trainer_svc.errors import GroupLost, RunAborted
@@ -59,6 +60,24 @@ from trainer_svc.trackers import Trackers
 from trainer_svc.workload import EvalResult, StepPrompt, Workload, open_workload
 
 log = logging.getLogger("trainer")
+
+
+def training_group(samples: list[Sample]) -> Group:
+    """A scored group's samples as the policy trains them, in sample order, with their loss
+    masks from their turns (:mod:`shared.turns`; None when no token is masked: a single-turn
+    group trains exactly as before turns existed). Bad turns fail the run, naming the sample."""
+    masks = []
+    for s in samples:
+        try:
+            masks.append(loss_mask(s.turns, len(s.response_token_ids), s.loss_mask))
+        except TurnsError as exc:
+            raise TurnsError(f"sample {s.request_id}: {exc}") from exc
+    return Group(prompt_index=samples[0].prompt_index,
+                 prompts=[s.prompt_token_ids for s in samples],
+                 responses=[s.response_token_ids for s in samples],
+                 rewards=[float(s.reward or 0.0) for s in samples],
+                 truncated=[s.finish_reason == "length" for s in samples],
+                 loss_masks=masks if any(0 in m for m in masks) else None)
 
 
 @dataclass
@@ -341,11 +360,7 @@ class TrainerService:
     async def _train_group(self, run: ActiveTraining, group: list[Sample]) -> None:
         """Accumulate one scored group's gradients (advantages are relative within it)."""
         prompt_index = group[0].prompt_index
-        await asyncio.to_thread(run.policy.add_group, Group(
-            prompt_index=prompt_index, prompts=[s.prompt_token_ids for s in group],
-            responses=[s.response_token_ids for s in group],
-            rewards=[float(s.reward or 0.0) for s in group],
-            truncated=[s.finish_reason == "length" for s in group]))
+        await asyncio.to_thread(run.policy.add_group, training_group(group))
         run.trained[prompt_index] = group
         self.groups_done.inc()
 

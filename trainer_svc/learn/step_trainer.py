@@ -26,6 +26,16 @@ What can run before the barrier, and what must wait:
   pass) whose backward ran before the barrier: 1 with one pass and one mini-batch, at most
   ``1 / (updates_per_step * minibatches)`` otherwise.
 
+Multi-turn responses carry a loss mask (``Group.loss_masks``, from the samples' turns by
+:func:`shared.turns.loss_mask`): their observation tokens are context, never trained. Every
+response is scored through that mask
+(:func:`~trainer_svc.learn.algorithms.logprobs.response_scores`), so from there on a response
+*is* its trained tokens: advantages, whitening, the policy, KL and entropy terms, GSPO's
+sequence ratio, every denominator and ``loss_tokens`` count them alone, for every algorithm
+and ``loss_agg`` mode. Only DAPO's overlong penalty and the ``response_len_*`` statistics see
+the whole response: the generation budget spends observation tokens too. Without masks
+(``None``) nothing changes.
+
 A group of a ``group``-scope estimator with all-zero advantages and no KL or entropy term has
 no gradient in any pass: it is never scored, but its tokens count in the denominators, as in
 the batch computation.
@@ -66,6 +76,8 @@ class Group:
     responses: list[list[int]]  # per response, the response token ids
     rewards: list[float]  # task rewards, before DAPO's overlong shaping
     truncated: list[bool]  # per response: ran out of budget rather than ending
+    # Per response, per token: 1 trained, 0 an observation (module doc); None: all trained.
+    loss_masks: list[list[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +110,7 @@ class _Entry:
     """A group of the step as this rank keeps it."""
 
     group: Group
-    lengths: list[int]
+    lengths: list[int]  # trained tokens per response: what every loss and count is over
     raw: list[torch.Tensor]  # stage-1 advantages per response (float64)
     owned: bool  # this rank backpropagates it
     silent: bool  # no gradient in any pass: never scored
@@ -225,10 +237,16 @@ class StepTrainer:
             raise ValueError("prompts, responses, rewards and truncated flags differ in count")
         lengths = [len(r) for r in group.responses]
         rewards = list(group.rewards)
-        if self.cfg.overlong_buffer:
+        if self.cfg.overlong_buffer:  # over whole responses: the budget counts observations
             rewards = advantages.shaped(rewards, lengths, self.shape.max_new_tokens,
                                         self.cfg.overlong_buffer,
                                         self.cfg.overlong_penalty_factor)
+        if group.loss_masks is not None:
+            if [len(m) for m in group.loss_masks] != lengths:
+                raise ValueError(f"group {group.prompt_index}: loss mask lengths "
+                                 f"{[len(m) for m in group.loss_masks]} differ from the "
+                                 f"response lengths {lengths}")
+            lengths = [sum(1 for m in mask if m) for mask in group.loss_masks]
         raw = advantages.raw_advantages(self.cfg.estimator,
                                         torch.tensor(rewards, dtype=torch.float64), lengths)
         silent = (self.cfg.scope is Scope.GROUP and self.cfg.kl_coef == 0.0
@@ -239,7 +257,8 @@ class StepTrainer:
         g = entry.group
         with logprobs.dropout_off(self.model):
             return logprobs.response_scores(self.model, g.prompts, g.responses, self.pad_id,
-                                            temperature=self.shape.temperature, entropy=True)
+                                            temperature=self.shape.temperature, entropy=True,
+                                            loss_masks=g.loss_masks)
 
     def _reference(self, entry: _Entry) -> list[torch.Tensor] | None:
         if self.reference is None:
@@ -247,7 +266,7 @@ class StepTrainer:
         g = entry.group
         with torch.no_grad(), logprobs.dropout_off(self.reference):
             return logprobs.response_logprobs(self.reference, g.prompts, g.responses,
-                                              self.pad_id, self.shape.temperature)
+                                              self.pad_id, self.shape.temperature, g.loss_masks)
 
     def _stream(self, entry: _Entry) -> None:
         """The group's share of the first optimizer step, while the ratio is exactly 1."""
@@ -394,18 +413,18 @@ class StepTrainer:
 
     def _summary(self, entries: list[_Entry], final: dict[int, list[torch.Tensor]],
                  loss_stats: TrainStats) -> dict[str, Any]:
-        data = response_stats([n for e in entries for n in e.lengths],
+        data = response_stats([len(r) for e in entries for r in e.group.responses],
                               [t for e in entries for t in e.group.truncated],
                               [a for e in entries for a in final[e.group.prompt_index]])
         out: dict[str, Any] = {**loss_stats.merge(data).summary()}
-        tokens = sum(e.tokens for e in entries)
+        tokens = sum(len(r) for e in entries for r in e.group.responses)  # all were scored
         backprop = self.cfg.updates_per_step * sum(e.tokens for e in entries if not e.silent)
         # Decided by the same rule on every rank, so no rank needs another's flags.
         streamed = sum(e.tokens for e in entries if not e.silent and self._would_stream(e))
         if backprop:
             out["streamed_fraction"] = streamed / backprop
-        out.update(tokens=tokens, samples=sum(len(e.lengths) for e in entries),
-                   groups=len(entries),
+        out.update(tokens=tokens, trained_tokens=sum(e.tokens for e in entries),
+                   samples=sum(len(e.lengths) for e in entries), groups=len(entries),
                    reward_mean=sum(r for e in entries for r in e.group.rewards)
                    / max(1, sum(len(e.lengths) for e in entries)))
         return out

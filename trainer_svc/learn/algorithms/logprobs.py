@@ -18,6 +18,15 @@ on, a ratio compares two random sub-networks and is not 1 even before any update
 gradient is that of a different policy than the one that generated the tokens. ``model.eval()``
 turns dropout off without stopping gradients; :func:`dropout_off` does so for a block and
 restores every module's previous mode afterwards.
+
+Loss masks. A multi-turn response holds observation tokens the model did not sample
+(:mod:`shared.turns`). With ``loss_masks`` :func:`response_scores` multiplies each response's
+mask into the response positions it reads: the observation tokens stay in the forward (they
+are context for every later token) but their log-probs and entropies are never taken, so every
+loss term, count and denominator downstream covers trained tokens only, and no gradient can
+reach an observation token's logits. Selecting rather than multiplying the losses by zero keeps
+an unconstrained observation log-prob (never trained, it may drift far from the reference)
+from turning ``0 * inf`` into NaN.
 """
 
 from __future__ import annotations
@@ -51,23 +60,29 @@ def dropout_off(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 @dataclass(frozen=True, slots=True)
 class TokenScores:
-    logprobs: list[torch.Tensor]  # per response: log-prob of each response token
-    entropy: list[torch.Tensor] | None  # per response: entropy of each token's distribution
+    logprobs: list[torch.Tensor]  # per response: log-prob of each trained response token
+    entropy: list[torch.Tensor] | None  # per response: entropy of each such token's distribution
 
 
 def response_scores(
     model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
     *, temperature: float = 1.0, entropy: bool = False,
+    loss_masks: list[list[int]] | None = None,
 ) -> TokenScores:
     """Score each response token given its prompt and the response tokens before it.
 
     One batched forward over right-padded ``prompt + response`` rows (padding never shifts a
     real token, so position ids are a plain ``arange``). Returns one 1-D tensor per response of
-    length ``len(response)``, carrying grad when grad is enabled; half-precision logits are
-    upcast to float32 first. The caller sets dropout (see :func:`dropout_off`).
+    length ``len(response)``, or with ``loss_masks`` (one 0/1 per response token) of the
+    tokens whose mask is 1, in order (module doc); carrying grad when grad is enabled;
+    half-precision logits are upcast to float32 first. The caller sets dropout (see
+    :func:`dropout_off`).
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if loss_masks is not None and [len(m) for m in loss_masks] != [len(r) for r in responses]:
+        raise ValueError(f"loss mask lengths {[len(m) for m in loss_masks]} differ from the "
+                         f"response lengths {[len(r) for r in responses]}")
     if not prompts:
         return TokenScores([], [] if entropy else None)
     if any(not p for p in prompts):
@@ -95,7 +110,11 @@ def response_scores(
     out: list[torch.Tensor] = []
     ent: list[torch.Tensor] = []
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        rows = slice(len(p) - 1, len(p) - 1 + len(r))
+        rows: slice | torch.Tensor = slice(len(p) - 1, len(p) - 1 + len(r))
+        if loss_masks is not None:
+            # The response's positions times its loss mask: the trained positions only.
+            keep = torch.tensor(loss_masks[i], dtype=torch.bool, device=device)
+            rows = torch.arange(len(p) - 1, len(p) - 1 + len(r), device=device)[keep]
         out.append(token_logp[i, rows])
         if entropy:
             # Only the response positions: H = -sum_v p_v log p_v of the tempered distribution.
@@ -106,7 +125,8 @@ def response_scores(
 
 def response_logprobs(
     model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-    temperature: float = 1.0,
+    temperature: float = 1.0, loss_masks: list[list[int]] | None = None,
 ) -> list[torch.Tensor]:
     """Just the log-probs of :func:`response_scores`."""
-    return response_scores(model, prompts, responses, pad_id, temperature=temperature).logprobs
+    return response_scores(model, prompts, responses, pad_id, temperature=temperature,
+                           loss_masks=loss_masks).logprobs

@@ -5,7 +5,10 @@ Contract: inputs are ragged lists, one 1-D tensor per response, one value per re
 generated the responses, scored at the same temperature), final ``advantages`` (constants), and
 optionally ``ref`` log-probs of the frozen reference policy and per-token ``entropy``.
 :func:`objective` turns them into an :class:`Objective`: the partial sum to backpropagate now,
-the :class:`AggCounts` its step-level denominator is made of, and detached statistics.
+the :class:`AggCounts` its step-level denominator is made of, and detached statistics. For a
+multi-turn response "response token" means a trained one: the trainer scores through the
+response's loss mask (:mod:`~trainer_svc.learn.algorithms.logprobs`), so no observation token
+reaches anything here, and every count and denominator below is over trained tokens.
 
 Streaming. Every ``loss_agg`` mode is ``sum over groups of partial_sum(group) / denominator``,
 where :func:`partial_sum` needs only the group's own per-token losses and :func:`denominator`
