@@ -27,9 +27,10 @@ from redis.exceptions import RedisError
 
 from manager_svc.crash import STEP_CREATE_COMMIT, STEP_CREATE_REQUESTS, CrashPoints
 from manager_svc.scripts import Call, register, run_batch
-from shared.digest import RowDigest, row_digest, rows_digest, token_csv
+from shared.digest import RowDigest, row_digest, rows_digest, token_csv, turns_json
 from shared.names import Keys, parse_request_id, request_id
 from shared.protocol import Assignment, Digest, Sample, TokenFrame
+from shared.turns import Turn, response_turns
 
 log = logging.getLogger("manager")
 # Entries per commit script: frames are packed into one script until they reach this many (a
@@ -55,13 +56,21 @@ def _flat(fields: dict[str, Any]) -> bytes:
 _int_list = msgspec.json.Decoder(list[int])
 
 
-Row = list[str | None]  # a response as stored: p, s, version, prompt, tokens, finish, instances
+# A response as stored: p, s, version, prompt, tokens, finish, instances, obs (an agentic
+# response's observation turns), env_reward (its environment's reward)
+Row = list[str | None]
+
+
+def stored_turns(row: Row) -> list[Turn]:
+    """A stored response's turns: none for a single-turn one (every token a model token)."""
+    return response_turns(row[7], row[4] or "")
 
 
 def stored_digest(row: Row) -> RowDigest:
     """A stored response's part of the step's digest, hashed from its stored text."""
     p, s, version, prompt, tokens = row[:5]
-    return row_digest(int(p or 0), int(s or 0), int(version or 0), prompt or "", tokens or "")
+    return row_digest(int(p or 0), int(s or 0), int(version or 0), prompt or "", tokens or "",
+                      turns_json(stored_turns(row)) if row[7] else "")
 
 
 def _ints(text: str | None) -> list[int]:
@@ -432,12 +441,14 @@ class Ledger:
         """The responses ``rids`` as samples, in (prompt, sample) order."""
         out = []
         for rid, row in zip(rids, await self.rows(rids), strict=True):
-            p, s, version, prompt, tokens, finish, instances = row
+            p, s, version, prompt, tokens, finish, instances = row[:7]
             out.append(Sample(
                 request_id=rid, prompt_index=int(p or 0), sample_index=int(s or 0),
                 weight_version=int(version or 0), prompt_token_ids=_ints(prompt),
                 response_token_ids=_ints(tokens), finish_reason=finish or "",
                 instances=[i for i in (instances or "").split(",") if i],
+                turns=stored_turns(row),
+                env_reward=None if row[8] is None else float(row[8]),
             ))
         out.sort(key=lambda x: (x.prompt_index, x.sample_index))
         return out

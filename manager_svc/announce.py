@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 from redis.exceptions import RedisError
 
-from manager_svc.accounting import Ledger, Row, stored_digest
+from manager_svc.accounting import Ledger, Row, stored_digest, stored_turns
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -34,6 +34,7 @@ from shared.digest import RowDigest
 from shared.names import Keys, request_id
 from shared.protocol import MESSAGE_BUDGET, Barrier, FrameEntry, GroupDone, TokenFrame, encode
 from shared.spec import RunSpec
+from shared.turns import Turn
 
 log = logging.getLogger("manager")
 CACHE_SIZE = 64  # runs whose spec, and steps whose barrier count, are remembered
@@ -76,6 +77,8 @@ class _StoredSample(msgspec.Struct, kw_only=True):
     response_token_ids: msgspec.Raw
     finish_reason: str
     instances: list[str]
+    turns: list[Turn] = []
+    env_reward: float | None = None
 
 
 class _StoredGroupDone(msgspec.Struct, tag="GroupDone", kw_only=True):
@@ -92,13 +95,14 @@ Held = tuple[_StoredSample, RowDigest, int]  # a response's sample, digest part,
 
 
 def _stored_sample(rid: str, row: Row) -> _StoredSample:
-    p, s, version, prompt, tokens, finish, instances = row
+    p, s, version, prompt, tokens, finish, instances = row[:7]
     return _StoredSample(
         request_id=rid, prompt_index=int(p or 0), sample_index=int(s or 0),
         weight_version=int(version or 0),
         prompt_token_ids=msgspec.Raw(f"[{prompt or ''}]".encode()),
         response_token_ids=msgspec.Raw(f"[{tokens or ''}]".encode()),
-        finish_reason=finish or "", instances=[i for i in (instances or "").split(",") if i])
+        finish_reason=finish or "", instances=[i for i in (instances or "").split(",") if i],
+        turns=stored_turns(row), env_reward=None if row[8] is None else float(row[8]))
 
 
 class Announcer:

@@ -23,7 +23,6 @@ new stream or permission: the trainer's credential already speaks ``rlb.trainer.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from shared import names
 from shared.digest import token_csv
 from shared.names import Keys
 from shared.protocol import Ack, ToolCall, ToolCalls, ToolClaim, ToolResult
+from shared.turns import response_turns
 
 log = logging.getLogger("manager")
 
@@ -49,22 +49,6 @@ OBSERVATION_TEXT_MAX = 4096
 class Answered:
     status: str  # ok | final | group | step | duplicate | unknown
     n: int  # the response's committed length after it
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """An observation turn of a response: ids [start, end) of its response are the
-    environment's answer to ``call_id``."""
-
-    start: int
-    end: int
-    call_id: str
-    observation: str
-
-
-def observation_turns(stored: str | None) -> list[Turn]:
-    """The observation turns a response's ``obs`` field holds (``lua/turn.lua``)."""
-    return [Turn(int(a), int(b), str(c), str(d)) for a, b, c, d in json.loads(stored or "[]")]
 
 
 class Turns:
@@ -95,7 +79,7 @@ class Turns:
         waiting, (turn, stored), tokens = await pipe.execute()
         if not waiting or turn is None:
             return None
-        turns = observation_turns(stored)
+        turns = [t for t in response_turns(stored, tokens or "") if t.role == "observation"]
         ids = [int(t) for t in str(tokens or "").split(",") if t]
         # The scripts count ended model turns (1 after the first); a call names its turn
         # 0-based, as the environment's call ids do.

@@ -267,6 +267,9 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # token, trained; 0: an observation token). Empty: one model turn, every token trained.
     turns: list[Turn] = []
     loss_mask: list[int] = []
+    # An agentic response's environment's own reward, where its environment gave one: the
+    # trainer scores the response with it rather than the run's reward function.
+    env_reward: float | None = None
 
 
 class Digest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

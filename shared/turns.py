@@ -80,6 +80,27 @@ def loss_mask(turns: Sequence[Turn], n_tokens: int,
     return mask
 
 
+def response_turns(stored: str | None, tokens: str) -> list[Turn]:
+    """A stored agentic response's turns: its observation turns as the manager keeps them
+    (``stored``, the JSON list of [start, end, call id, text] manager_svc/lua/turn.lua
+    writes), with the model turns between them, over its ``tokens`` (their CSV). None
+    stored: a single-turn response, no turns."""
+    if not stored:
+        return []
+    n = tokens.count(",") + 1 if tokens else 0
+    out: list[Turn] = []
+    at = 0
+    for start, end, call_id, text in msgspec.json.decode(stored):
+        if start > at:
+            out.append(Turn(role="model", start=at, end=int(start)))
+        out.append(Turn(role="observation", start=int(start), end=int(end),
+                        call_id=str(call_id), observation=str(text)))
+        at = int(end)
+    if n > at:
+        out.append(Turn(role="model", start=at, end=n))
+    return out
+
+
 def _brief(mask: Sequence[int]) -> str:
     text = "".join(str(int(m)) for m in mask)
     return text if len(text) <= 40 else f"{text[:37]}... ({len(text)} tokens)"

@@ -10,19 +10,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from manager_svc.accounting import Ledger
 from manager_svc.archive import Archive
 from manager_svc.runs import RunStore
-from manager_svc.turns import Turn, Turns, observation_turns
+from manager_svc.turns import Turns
 from rlboost.stack import Stack
 from shared import names
 from shared.bus import connect_redis
+from shared.digest import sample_digest
 from shared.names import Keys, request_id
 from shared.protocol import FrameEntry, TokenFrame, ToolClaim, ToolResult
 from shared.spec import RunSpec
+from shared.turns import Turn, response_turns
 
 BUDGET = 12  # max_new_tokens: observations count in it
 
@@ -92,7 +95,9 @@ async def test_a_turn_waits_for_its_answer_which_is_committed_once(parts: Parts)
     assert await p.redis.sismember(Keys.pending(p.run_id, 0), rid)
     assert await p.turns.call(rid) is None  # answered: nothing to ask
     stored = await p.redis.hget(Keys.request(rid), "obs")
-    assert observation_turns(stored) == [Turn(3, 5, f"{rid}:0", "obs 0")]
+    assert response_turns(stored, "5,6,7,100,101") == [
+        Turn(role="model", start=0, end=3),
+        Turn(role="observation", start=3, end=5, call_id=f"{rid}:0", observation="obs 0")]
     # The next model turn continues from the observation; the environment ends it.
     assert await model_turn(p, 0, 5, [8, 9]) == ["tool", "duplicate"]
     call = await p.turns.call(rid)
@@ -103,6 +108,17 @@ async def test_a_turn_waits_for_its_answer_which_is_committed_once(parts: Parts)
     req = await p.redis.hgetall(Keys.request(rid))
     assert (req["done"], req["finish"], req["env_reward"]) == ("1", "stop", "0.5")
     assert await p.redis.sismember(Keys.done(p.run_id, 0), rid)
+    # The sample: its turns (the loss mask's source), the environment's reward, and the
+    # barrier's digest of the stored text equal to the trainer's of the samples it gets.
+    [sample] = await p.ledger.samples([rid])
+    assert sample.response_token_ids == [5, 6, 7, 100, 101, 8, 9]
+    assert [(t.role, t.start, t.end) for t in sample.turns] == [
+        ("model", 0, 3), ("observation", 3, 5), ("model", 5, 7)]
+    assert sample.env_reward == 0.5
+    assert await p.ledger.done_digest(p.run_id, 0) == sample_digest(
+        await p.ledger.done_samples(p.run_id, 0))
+    single = sample_digest([msgspec.structs.replace(sample, turns=[])])
+    assert single != sample_digest([sample])  # the turns are in it
     counted = await p.redis.hmget(step, "tool_calls_committed", "tokens_observed", "tokens",
                                   "duplicate_chunks_dropped", "stale_chunks_rejected")
     assert counted == ["2", "2", "5", "2", "0"]
@@ -124,8 +140,11 @@ async def test_the_last_turn_allowed_and_the_budget_end_a_response(parts: Parts)
     got = await p.turns.answer(answer(rid, 0, [100, 101, 102, 103, 104]))
     assert (got.status, got.n) == ("final", BUDGET)
     assert await p.redis.get(Keys.tokens(rid)) == "5,5,5,5,5,5,5,5,5,100,101,102"
-    assert observation_turns(await p.redis.hget(Keys.request(rid), "obs")) == [
-        Turn(9, 12, names.call_id(rid, 0), "obs 0")]
+    stored = await p.redis.hget(Keys.request(rid), "obs")
+    assert response_turns(stored, await p.redis.get(Keys.tokens(rid))) == [
+        Turn(role="model", start=0, end=9),
+        Turn(role="observation", start=9, end=12, call_id=names.call_id(rid, 0),
+             observation="obs 0")]
     assert await p.redis.hget(Keys.request(rid), "finish") == "length"
     # A model turn that ends at the budget ends the response; no environment is asked.
     assert await model_turn(p, 0, 0, [5] * BUDGET, finish="length") == ["step", "duplicate"]
