@@ -99,6 +99,8 @@ class TrainerApi:
                 extra={"eos": msg.eos_token_id, "vocab": msg.vocab_size, "mode": mode,
                        "window_s": window, "dynamic": int(bool(spec.dynamic_sampling)),
                        "spot_count": spot_alive,  # what the window was chosen for
+                       # > 1: a final stop ends a model turn, not the response (turns.py)
+                       "max_turns": spec.max_turns,
                        # Seeding off and spot capacity present: the reserved side only trains.
                        "reserved_free": int(mode == "off" and spot_alive > 0)},
                 seeding=seeding.dump()))

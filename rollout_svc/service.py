@@ -315,6 +315,9 @@ class RolloutService:
                 continue  # not reported in the next heartbeat, so the manager takes it back
             if current is not None:
                 self.engine.abort(a.request_id)
+            # An agentic response comes back for its next model turn under a new lease: the
+            # last turn's epoch is no longer this instance's to report.
+            self.finished.pop(a.request_id, None)
             try:
                 self.engine.add(self._request(a))
             except EngineError as exc:  # e.g. a weight swap raced the check above

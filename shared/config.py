@@ -346,6 +346,9 @@ class TrainerConfig(Settings):
         "RLBOOST_REWARD_ENV", "", "comma-separated names of further environment variables reward "
         "workers get (a judge's API key); they get no other of the trainer's but PATH, HOME, "
         "locale, Python, HF offline and thread settings")
+    tool_workers: int = setting(
+        "RLBOOST_TOOL_WORKERS", 4, "agentic runs: environment worker processes beside the "
+        "trainer (calls that run at once)", ge=1, le=256)
     reward_timeout_s: float = setting(
         "RLBOOST_REWARD_TIMEOUT_S", 10.0, "a reward call running longer scores 0 and counts as "
         "a reward error", gt=0.0)

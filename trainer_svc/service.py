@@ -49,6 +49,7 @@ from shared.settings import reveal
 from shared.spec import RunSpec
 from shared.turns import TurnsError, loss_mask
 from shared.weights import upload_version
+from trainer_svc.agentic import Tools, open_tools
 from trainer_svc.dynamic_sampling import Close, Extend, GroupFilter
 from trainer_svc.errors import GroupLost, RunAborted
 from trainer_svc.learn.policies import Policy, PublishesItself, WeightsAccess, make_policy
@@ -92,6 +93,7 @@ class ActiveTraining:
     reward_errors: int = 0  # this step's failed reward calls
     prompts: list[StepPrompt] = field(default_factory=list)  # this step's
     trackers: Trackers = field(default_factory=lambda: Trackers({}))
+    tools: Tools | None = None  # an agentic run's environment pool (trainer_svc.agentic)
 
     step: int = 0  # the step in progress
     scored: dict[int, list[Sample]] = field(default_factory=dict)  # dynamic sampling: by prompt
@@ -243,6 +245,7 @@ class TrainerService:
                 raise RunAborted(str(exc)) from exc
             await asyncio.to_thread(workload.use_model, policy.checkpoints.base_dir,
                                     policy.reward)
+            tools = await open_tools(spec, workload, self.cfg, self.registry)
         except BaseException:
             await workload.close()
             raise
@@ -252,7 +255,8 @@ class TrainerService:
             msgspec.to_builtins(spec))
         for warning in warnings:
             await self.manager.warn(run_id, warning)
-        run = ActiveTraining(run_id, spec, policy, workload, version, trackers=trackers)
+        run = ActiveTraining(run_id, spec, policy, workload, version, trackers=trackers,
+                             tools=tools)
         await self._publish(run, version)
         log.info("run %s: model %s at version %d", run_id, spec.model, version)
         return run
@@ -278,13 +282,14 @@ class TrainerService:
                         dynamic=bool(run.spec.dynamic_sampling))
         kept = GroupFilter(run.spec.prompts_per_step, run.spec.max_prompts,
                            run.spec.prompts_per_step) if run.spec.dynamic_sampling else None
-        async for prompt_index, group in feed.groups():  # as they complete, then the rest
-            with clock.busy():
-                if kept is None:
-                    await self._train_group(run, await self._score_group(run, prompt_index,
-                                                                         group))
-                else:
-                    await self._filter_group(run, step, kept, feed, prompt_index, group)
+        async with self._answering(run, step, prompts):
+            async for prompt_index, group in feed.groups():  # as they complete, then the rest
+                with clock.busy():
+                    if kept is None:
+                        await self._train_group(run, await self._score_group(
+                            run, prompt_index, group))
+                    else:
+                        await self._filter_group(run, step, kept, feed, prompt_index, group)
         with clock.busy():
             for group in run.release(len(run.ready)):  # kept, deferred while rollout shared GPUs
                 await self._train_group(run, group)
@@ -308,6 +313,13 @@ class TrainerService:
 
     # --- its parts -------------------------------------------------------------------------
 
+    def _answering(self, run: ActiveTraining, step: int,
+                   prompts: list[StepPrompt]) -> contextlib.AbstractAsyncContextManager[Any]:
+        """An agentic run's tool loop for the step's rollout (trainer_svc.agentic)."""
+        if run.tools is None:
+            return contextlib.nullcontext()
+        return run.tools.answering(self.manager, run.run_id, step, prompts, self.cfg.poll_s)
+
     async def _score_group(self, run: ActiveTraining, prompt_index: int,
                            group: list[Sample]) -> list[Sample]:
         """The group in sample order, each sample's reward filled in."""
@@ -317,7 +329,8 @@ class TrainerService:
         scored = await run.workload.score(run.prompts[prompt_index],
                                           [s.response_token_ids for s in group])
         for s, reward in zip(group, scored.rewards, strict=True):
-            s.reward = reward
+            # An agentic response's environment's reward, where it gave one, is its score.
+            s.reward = reward if s.env_reward is None else s.env_reward
         run.texts[prompt_index] = scored.texts
         run.reward_errors += scored.errors
         self.reward_errors.inc(scored.errors)
@@ -451,6 +464,8 @@ class TrainerService:
         if self.active is not None:
             await asyncio.to_thread(self.active.trackers.close, finished)
             await self.active.workload.close()
+            if self.active.tools is not None:
+                await self.active.tools.close()
         self.active = None
 
     async def _report(self, report: StepFinish) -> None:
