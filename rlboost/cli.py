@@ -128,6 +128,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], headers=_headers(),
                           timeout=10.0, verify=Tls.client_env(cluster.env).verify()) as client:
             resp = client.post("/v1/runs", json=body)
+            if resp.is_client_error:  # the spec: say what is wrong with it, as submit does
+                print(f"rlboost up: run refused ({resp.status_code}): "
+                      f"{resp.json().get('detail', resp.text)}", file=sys.stderr)
+                return 2
             resp.raise_for_status()
             run_id = resp.json()["id"]
             print(f"submitted {run_id}: {json.dumps(body)}", flush=True)
