@@ -150,7 +150,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         if self.env and self.env not in BUILTIN_ENVS and not ENV_PATTERN.fullmatch(self.env):
             raise ValueError(f"env {self.env[:100]!r}: unknown; use one of "
                              f"{', '.join(BUILTIN_ENVS)} or python:<module>:<factory>")
-        if self.env and self.dataset is None:
+        if self.env and self.dataset is None and self.model != "emu":
+            # (the emulated model's environments read the task's prompts as ids)
             raise ValueError("env needs a dataset (an environment reads the prompt's text)")
         if not self.env and self.max_turns > 1:
             raise ValueError(f"max_turns {self.max_turns} needs an env (without one a "

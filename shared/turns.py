@@ -22,6 +22,13 @@ from typing import Literal
 
 import msgspec
 
+# The emulated model's turns (EMULATION): its content ids start at EMU_FIRST_TOKEN (those below
+# are pad/bos/eos in most vocabularies), and every emu observation ends with EMU_TURN_MARK, an
+# id no content token takes, so its engine finds where a model turn starts from the committed
+# ids alone (rollout_svc.engines.emu, trainer_svc.agentic.EmuTurns).
+EMU_FIRST_TOKEN = 3
+EMU_TURN_MARK = 1
+
 Role = Literal["model", "observation"]
 ROLES: tuple[Role, ...] = ("model", "observation")
 

@@ -19,11 +19,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from typing import Protocol
 
 from shared import names
 from shared.errors import RlboostError
 from shared.protocol import ToolCall, ToolClaim, ToolResult
-from trainer_svc.inputs.chat import ChatFormat
 from trainer_svc.inputs.tool_pool import EnvPool, Outcome
 from trainer_svc.manager_client import ManagerClient
 from trainer_svc.workload import StepPrompt
@@ -32,8 +32,17 @@ log = logging.getLogger("trainer")
 CLAIM_MARGIN_S = 5.0  # past twice max_tool_s: a claim outlives a call that runs to its limit
 
 
+class TurnCodec(Protocol):
+    """Ids to an action's text, an observation's text to ids (ChatFormat, or the emu model's
+    stand-in)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def observation(self, text: str, turn_end: int) -> list[int]: ...
+
+
 class ToolLoop:
-    def __init__(self, manager: ManagerClient, pool: EnvPool, chat: ChatFormat, run_id: str,
+    def __init__(self, manager: ManagerClient, pool: EnvPool, chat: TurnCodec, run_id: str,
                  step: int, prompts: Sequence[StepPrompt], seed: int, poll_s: float) -> None:
         self.manager = manager
         self.pool = pool

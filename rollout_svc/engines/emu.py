@@ -17,6 +17,12 @@ nothing about NATS; it's purely token id sequences.
   shares a draw with a token and changes with the weights. A length L within the budget ends
   with EOS at position L - 1 (``"stop"``); a longer one is cut at ``max_new_tokens``
   (``"length"``).
+* Turns (agentic runs): an emu observation ends with :data:`TURN_MARK` (an id no content
+  token takes), so the model turn after it starts right after its last occurrence among the
+  committed ids. Each model turn has a length of its own, keyed as above with the turn's start
+  folded into the version coordinate (0 for the first turn: single-turn lengths are
+  unchanged), and ends in EOS at its start + length - 1; so a turn's tokens and end are a pure
+  function of the request and the turn's start, wherever the response moved.
 * Time: each ``step()`` sleeps ``time_scale * (decode_s_base + decode_s_per_seq * batch)`` plus
   the prefill of requests that joined in it (continuous batching: they join at any step).
 * Host time: what a busy engine's steps take beyond those sleeps (its service's loop, and
@@ -49,10 +55,17 @@ from rollout_svc.engines.base import (
 from rollout_svc.engines.emu_models import response_length
 from shared.protocol import FinishReason
 from shared.sampling import uniform
+from shared.turns import EMU_FIRST_TOKEN, EMU_TURN_MARK
 
 log = logging.getLogger("rollout.emu")
 
-_FIRST_TOKEN = 3  # ids below this are reserved (pad/bos/eos in most vocabularies)
+_FIRST_TOKEN = EMU_FIRST_TOKEN  # ids below this are reserved (pad/bos/eos in most vocabularies)
+# The last id of every emu observation (trainer_svc.agentic.EmuTurns): below _FIRST_TOKEN, so no
+# sampled token is ever taken for it.
+TURN_MARK = EMU_TURN_MARK
+# A model turn's start is folded into its length key's version coordinate this far up, far past
+# any weight version, so no two turns of a response (nor two versions) share a length draw.
+_TURN_KEY = 1 << 24
 
 # Latency model. ASSUMPTION, not measurement: an 8B dense model in bf16 served by SGLang on
 # one H100 (3.35 TB/s HBM, ~990 dense bf16 TFLOP/s: shared.hardware), reasoning-length
@@ -185,11 +198,24 @@ class EmuEngine:
             token = (token - _FIRST_TOKEN + 1) % span + _FIRST_TOKEN
         return token
 
+    @staticmethod
+    def turn_start(req: GenRequest) -> int:
+        """Where the request's current model turn starts: after the last observation among its
+        committed ids (0: the first turn, or a single-turn response)."""
+        ids = req.committed_token_ids
+        for i in range(len(ids) - 1, -1, -1):
+            if ids[i] == TURN_MARK:
+                return i + 1
+        return 0
+
     def natural_length(self, req: GenRequest) -> int:
-        """Tokens the response would have (EOS included) without a budget; >= 1."""
+        """Where the current model turn ends (EOS included) without a budget: its start plus
+        its own length (>= 1)."""
         mean = self.mean_len if self.mean_len is not None else MEAN_LEN_FRAC * req.max_new_tokens
-        return response_length(req.seed, req.step, req.prompt_index, req.sample_index,
-                               req.weight_version, mean, self.len_sigma, self.max_len_cap)
+        start = self.turn_start(req)
+        return start + response_length(
+            req.seed, req.step, req.prompt_index, req.sample_index,
+            req.weight_version + start * _TURN_KEY, mean, self.len_sigma, self.max_len_cap)
 
     def event_at(self, req: GenRequest, position: int, length: int) -> TokenEvent:
         """The event at ``position`` of a response whose natural length is ``length``."""

@@ -232,3 +232,44 @@ def test_a_slowed_engine_takes_factor_times_as_long_per_step_until_drained() -> 
     engine.drain()
     stepping.join(timeout=2.0)
     assert not stepping.is_alive() and time.monotonic() - started < 3.0
+
+
+def _run(engine: EmuEngine, req: GenRequest) -> list[TokenEvent]:
+    out: dict[str, list[TokenEvent]] = {}
+    engine.add(req)
+    while engine.has_work():
+        _collect(engine, out)
+    return out[req.request_id]
+
+
+def test_each_model_turn_after_an_observation_has_its_own_length() -> None:
+    """An agentic response: the turn after an emu observation (ending in its turn mark) starts
+    after it, with a length of its own keyed by that start, and ends in EOS; its tokens are
+    those of their positions, on any engine, resumed from anywhere inside the turn."""
+    from shared.turns import EMU_TURN_MARK
+    from trainer_svc.agentic import EmuTurns
+
+    first = _run(_engine(), _req(4, max_new_tokens=400))
+    assert first[-1].finish_reason == "stop"
+    observation = EmuTurns().observation("an answer", turn_end=first[-1].token_id)
+    assert observation[-1] == EMU_TURN_MARK and EMU_TURN_MARK not in observation[:-1]
+    assert observation == EmuTurns().observation("an answer", turn_end=0)  # pure
+    committed = _tokens(first) + observation
+    second = _run(_engine(), _req(4, committed=committed, max_new_tokens=400))
+    start = len(committed)
+    assert second[0].position == start and second[-1].token_id == EOS
+    engine = _engine()
+    assert engine.turn_start(_req(4, committed=committed)) == start
+    assert second[-1].position + 1 == engine.natural_length(
+        _req(4, committed=committed, max_new_tokens=400))
+    assert [e.token_id for e in second[:-1]] == [
+        engine.token_at(_req(4), e.position) for e in second[:-1]]
+    # Resumed halfway through the turn, elsewhere: the same rest.
+    half = len(second) // 2
+    resumed = _run(_engine(), _req(4, committed=committed + _tokens(second[:half]),
+                                   max_new_tokens=400))
+    assert _tokens(resumed) == _tokens(second[half:])
+    # Another start, another length (the first turn's own is unchanged: the tests above).
+    lengths = {engine.natural_length(_req(p, committed=[9] * k + [EMU_TURN_MARK])) - k - 1
+               for p in range(3) for k in range(8)}
+    assert len(lengths) > 4
