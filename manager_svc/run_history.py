@@ -18,7 +18,10 @@ from shared.names import Keys
 # Step counters that can still move after the step's record is written (a zombie's late chunks).
 LIVE_COUNTERS = ("migrations", "preemptions", "preempted_responses", "duplicate_chunks_dropped",
                  "stale_chunks_rejected", "tokens_regenerated", "forged_chunks_rejected",
-                 "invalid_chunks_dropped", "tokens_discarded")
+                 "invalid_chunks_dropped", "tokens_discarded",
+                 # agentic runs (manager_svc/turns.py): environment answers committed, and the
+                 # observation tokens they added
+                 "tool_calls_committed", "tokens_observed")
 WARNINGS_MAX = 50  # warnings kept per run
 
 

@@ -177,3 +177,14 @@ async def test_calls_wait_for_a_busy_worker_without_the_wait_counting(user_root:
 def test_byte_fit_never_splits_a_character() -> None:
     assert byte_fit("abc", 5) == ("abc", False)
     assert byte_fit("éé", 3) == ("é", True)
+
+
+def test_pools_of_successive_runs_share_one_registry(user_root: Path) -> None:
+    """A trainer opens a pool per run on its one registry: the second must not fail on
+    counters the first registered, and both count into them."""
+    registry = CollectorRegistry()
+    first = pool(user_root, registry)
+    second = pool(user_root, registry)
+    first.committed()
+    second.committed(2)
+    assert value(registry, "rlboost_env_calls_committed_total") == 3

@@ -10,6 +10,7 @@ import pytest
 from rlboost.launcher import Cluster
 from rlboost.stack import Stack
 from tests.support.cluster import start_cluster
+from tests.support.links import Links
 
 
 @pytest.fixture
@@ -21,3 +22,11 @@ def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture
+def links() -> Iterator[Links]:
+    """Fault proxies for each process's links (tests.support.links), closed after the test."""
+    proxies = Links()
+    yield proxies
+    proxies.close()

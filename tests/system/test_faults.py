@@ -90,13 +90,6 @@ HOLD_UP_REAPING = ("manager_sigkill", "redis_restart", "cut_manager-redis",
 
 
 @pytest.fixture
-def links() -> Iterator[Links]:
-    proxies = Links()
-    yield proxies
-    proxies.close()
-
-
-@pytest.fixture
 def cluster(brokers: Stack, links: Links, tmp_path: Path) -> Iterator[Cluster]:
     c = start_cluster(tmp_path, brokers, spot=3, reserved=1, engine="emu",
                       env={**FAST, **links.base_env(),

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -99,6 +100,38 @@ class Outcome:
     truncated: bool = False  # the observation was cut to the token budget
 
 
+@dataclass(frozen=True, slots=True)
+class EnvCounters:
+    """The pool's counters, made once per registry: a trainer opens a pool per run."""
+
+    calls: Counter
+    failures: Counter
+    timeouts: Counter
+    truncated: Counter
+    committed: Counter
+
+    @staticmethod
+    def of(registry: CollectorRegistry) -> EnvCounters:
+        made = _COUNTERS.get(registry)
+        if made is None:
+            made = _COUNTERS[registry] = EnvCounters(
+                Counter("rlboost_env_calls_total", "Environment steps executed",
+                        registry=registry),
+                Counter("rlboost_env_call_failures_total", "Environment calls that failed, by "
+                        "reason (the episode ended)", ["reason"], registry=registry),
+                Counter("rlboost_env_call_timeouts_total", "Environment calls killed past "
+                        "max_tool_s", registry=registry),
+                Counter("rlboost_env_observations_truncated_total", "Observations cut to "
+                        "max_observation_tokens", registry=registry),
+                Counter("rlboost_env_calls_committed_total", "Observations committed into "
+                        "trajectories", registry=registry))
+        return made
+
+
+_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, EnvCounters] = (
+    weakref.WeakKeyDictionary())
+
+
 @dataclass(slots=True)
 class _Slot:
     worker: Worker
@@ -133,18 +166,10 @@ class EnvPool:
         self._lost: set[str] = set()
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="env")
         self._started = self._closed = False
-        registry = registry if registry is not None else CollectorRegistry()
-        self.calls = Counter("rlboost_env_calls_total", "Environment steps executed",
-                             registry=registry)
-        self.failures = Counter("rlboost_env_call_failures_total", "Environment calls that "
-                                "failed, by reason (the episode ended)", ["reason"],
-                                registry=registry)
-        self.timeouts = Counter("rlboost_env_call_timeouts_total", "Environment calls killed "
-                                "past max_tool_s", registry=registry)
-        self.truncated = Counter("rlboost_env_observations_truncated_total", "Observations "
-                                 "cut to max_observation_tokens", registry=registry)
-        self.committed_calls = Counter("rlboost_env_calls_committed_total", "Observations "
-                                       "committed into trajectories", registry=registry)
+        counters = EnvCounters.of(registry if registry is not None else CollectorRegistry())
+        self.calls, self.failures = counters.calls, counters.failures
+        self.timeouts, self.truncated = counters.timeouts, counters.truncated
+        self.committed_calls = counters.committed
 
     async def start(self) -> None:
         """Start every worker; raises EnvNameError if the factory does not resolve."""
