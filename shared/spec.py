@@ -156,6 +156,10 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         if not self.env and self.max_turns > 1:
             raise ValueError(f"max_turns {self.max_turns} needs an env (without one a "
                              "response is one turn)")
+        if self.max_turns > 1 and self.dynamic_sampling:
+            # Closing a dynamic step aborts responses in flight; one waiting for its
+            # environment's answer is in neither the leased nor the pending set it walks.
+            raise ValueError("dynamic_sampling is not supported with max_turns > 1 yet")
 
     @property
     def reward_name(self) -> str:

@@ -165,6 +165,9 @@ def test_run_spec_env_fields_default_and_bound() -> None:
             decode(b'{' + base + body + b'}', RunSpec)
     with pytest.raises(Exception, match="env needs a dataset"):
         decode(b'{"env": "calculator"}', RunSpec)
+    with pytest.raises(Exception, match="dynamic_sampling is not supported"):
+        decode(b'{"model": "emu", "env": "python:m:f", "max_turns": 3, '
+               b'"dynamic_sampling": true}', RunSpec)
     # The emulated model's environments read the task's prompts: no dataset needed.
     assert decode(b'{"model": "emu", "env": "python:m:f", "max_turns": 3}', RunSpec).env
     assert msgspec.json.decode(msgspec.json.encode(ok))["env"] == "calculator"
