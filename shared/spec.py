@@ -57,8 +57,9 @@ class EvalSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
 class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Body of ``POST /v1/runs``; every field has a default, unknown fields are rejected."""
 
-    # "tiny" (the embedded model), "tiny-chat" (the embedded text model), an emu preset, or a
-    # path to an HF model directory
+    # "tiny" (the embedded model), "tiny-chat" (the embedded text model), "tiny-chat-tools"
+    # (tiny-chat warmed up to call the calculator env), an emu preset, or a path to an HF
+    # model directory
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] = "tiny"
     task: Literal["arith-seq"] = "arith-seq"
     # The RL objective (shared.algorithm); each knob below left out takes its paper default.

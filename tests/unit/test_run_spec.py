@@ -75,11 +75,19 @@ def test_the_shipped_example_spec_is_valid_and_its_files_exist() -> None:
     assert (ROOT / run.eval.path).is_file()
 
 
+def test_the_shipped_agentic_example_spec_is_valid() -> None:
+    body = json.loads((ROOT / "examples" / "tiny-chat-tools.json").read_text())
+    run = spec(body)
+    assert (run.model, run.env, run.reward_name) == ("tiny-chat-tools", "calculator", "math")
+    assert 2 <= run.max_turns <= 4 and run.eval is None  # eval is single-turn (examples/README)
+    assert run.dataset is not None and (ROOT / run.dataset.path).is_file()
+
+
 def test_only_the_emu_engine_serves_an_emu_preset_and_it_serves_nothing_else() -> None:
     for preset in {*PRESETS, *SERVING}:  # every name the trainer or the emu engine knows
         assert engine_mismatch("emu", preset) is None
         for engine in ("torch", "sglang"):
             assert engine_mismatch(engine, preset) == f"engine {engine} cannot serve model {preset}"
-    for model in ("tiny", "tiny-chat", "/models/qwen", "emulator-7b"):
+    for model in ("tiny", "tiny-chat", "tiny-chat-tools", "/models/qwen", "emulator-7b"):
         assert engine_mismatch("emu", model) == f"engine emu cannot serve model {model}"
         assert engine_mismatch("torch", model) is None and engine_mismatch("sglang", model) is None

@@ -38,7 +38,7 @@ def test_directory_is_keyed_complete_and_cached(built: tuple[Path, Path],
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "chat_template.jinja", "generation_config.json"} <= names
     assert [p.name for p in model_dir.parent.iterdir()] == [model_dir.name]
-    monkeypatch.setattr(tc, "_build_into", lambda *a: pytest.fail("rebuilt a cached model"))
+    monkeypatch.setattr(tc, "build_into", lambda *a: pytest.fail("rebuilt a cached model"))
     assert tc.build_tiny_chat(data_dir, seed=0) == model_dir
     assert tc.tiny_chat_key(0) != tc.tiny_chat_key(1)
 

@@ -33,6 +33,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +102,18 @@ def tiny_chat_key(seed: int) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _corpus() -> list[str]:
+def corpus() -> list[str]:
     train, _ = word_problems.splits()
     # The chat scaffolding is in the corpus so "user", "assistant" and "\n" merge too.
     return [f"user\n{p.prompt}\nassistant\n{p.answer}\n" for p in train]
 
 
-def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on the train split's text; deterministic for a fixed corpus."""
+def train_tokenizer(
+    vocab_size: int = VOCAB_SIZE, texts: list[str] | None = None
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on ``texts`` (the train split's text, :func:`corpus`, unless
+    given);
+    deterministic for a fixed corpus."""
     core = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     core.normalizer = normalizers.NFC()
     core.pre_tokenizer = pre_tokenizers.Sequence([
@@ -122,7 +127,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator(_corpus(), trainer=trainer)
+    core.train_from_iterator(corpus() if texts is None else texts, trainer=trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token=IM_END,
@@ -175,21 +180,40 @@ def _encode_examples(
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int) -> float:
-    """Supervised warm-up on noisy answers (module docstring); returns the last batch loss."""
+# A warm-up target: the trained turns after one problem's rendered prompt, as (ids, trained)
+# pieces (an observation between model turns is a piece with no loss); it may draw from rng.
+Target = Callable[[word_problems.Problem, random.Random], list[tuple[list[int], bool]]]
+
+
+def answer_target(tokenizer: PreTrainedTokenizerFast) -> Target:
+    """tiny-chat's target: one assistant turn, the noisy answer, then its end of turn."""
+    im_end = token_id(tokenizer, IM_END)
+
+    def target(problem: word_problems.Problem, rng: random.Random) -> list[tuple[list[int], bool]]:
+        text = _noisy_answer(problem, rng)
+        return [([*tokenizer(text, add_special_tokens=False)["input_ids"], im_end], True)]
+
+    return target
+
+
+def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int,
+            target: Target | None = None, stream: str = "tiny-chat-warmup") -> float:
+    """Supervised warm-up on noisy answers (module docstring), or on ``target``'s turns drawn
+    from the RNG ``stream``; returns the last batch loss."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _fit(model, tokenizer, seed)
+        return _fit(model, tokenizer, target or answer_target(tokenizer), f"{stream}/{seed}")
     finally:
         torch.set_num_threads(threads)
 
 
-def _fit(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int) -> float:
+def _fit(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, target: Target,
+         stream: str) -> float:
     train, _ = word_problems.splits()
     prompts = _encode_examples(tokenizer, train)
-    im_end, pad = token_id(tokenizer, IM_END), token_id(tokenizer, ENDOFTEXT)
-    rng = random.Random(f"tiny-chat-warmup/{seed}")
+    pad = token_id(tokenizer, ENDOFTEXT)
+    rng = random.Random(stream)
     opt = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / WARMUP_STEPS)
@@ -198,15 +222,20 @@ def _fit(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int)
     loss = torch.zeros(())
     for _ in range(WARMUP_STEPS):
         rows = [rng.randrange(len(train)) for _ in range(WARMUP_BATCH)]
-        answers = tokenizer([_noisy_answer(train[r], rng) for r in rows],
-                            add_special_tokens=False)["input_ids"]
-        seqs = [prompts[r] + list(a) + [im_end] for r, a in zip(rows, answers, strict=True)]
+        pieces = [target(train[r], rng) for r in rows]
+        seqs: list[list[int]] = []
+        trained: list[list[bool]] = []
+        for r, turns in zip(rows, pieces, strict=True):
+            seqs.append(prompts[r] + [t for ids, _ in turns for t in ids])
+            trained.append([False] * len(prompts[r])
+                           + [on for ids, on in turns for _ in ids])
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), pad, dtype=torch.long)
         labels = torch.full((len(seqs), width), -100, dtype=torch.long)
-        for i, (r, s) in enumerate(zip(rows, seqs, strict=True)):
-            ids[i, : len(s)] = torch.tensor(s)
-            labels[i, len(prompts[r]) : len(s)] = torch.tensor(s[len(prompts[r]) :])
+        for i, (s, mask) in enumerate(zip(seqs, trained, strict=True)):
+            row = torch.tensor(s)
+            ids[i, : len(s)] = row
+            labels[i, : len(s)] = torch.where(torch.tensor(mask), row, -100)
         logits = model(input_ids=ids).logits[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -218,13 +247,18 @@ def _fit(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int)
     return float(loss.detach())
 
 
-def _build_into(out_dir: Path, seed: int, name: str) -> None:
+def build_into(out_dir: Path, seed: int, name: str,
+               tokenizer: PreTrainedTokenizerFast | None = None,
+               target: Callable[[PreTrainedTokenizerFast], Target] = answer_target,
+               stream: str = "tiny-chat-warmup") -> None:
+    """Write the model ``name`` into ``out_dir``: ``tokenizer`` (tiny-chat's unless given),
+    a fresh model warmed up on ``target(tokenizer)``, tiny-chat's generation config."""
     started = time.perf_counter()
-    tokenizer = train_tokenizer()
+    tokenizer = tokenizer or train_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(tiny_chat_config(tokenizer))
-    loss = warm_up(model, tokenizer, seed)
+    loss = warm_up(model, tokenizer, seed, target(tokenizer), stream)
     ids = [token_id(tokenizer, t) for t in (IM_END, ENDOFTEXT)]
     # Plain sampling for anyone calling generate(): transformers' default top_k=50 would
     # sample from a distribution other than the one the trainer's log-probs describe.
@@ -239,4 +273,4 @@ def _build_into(out_dir: Path, seed: int, name: str) -> None:
 def build_tiny_chat(data_dir: Path, seed: int) -> Path:
     """Build (or return the cached) tiny-chat model directory for ``seed`` under ``data_dir``."""
     final = Path(data_dir) / "models" / f"tiny-chat-{tiny_chat_key(seed)}"
-    return build_once(final, lambda out_dir: _build_into(out_dir, seed, final.name))
+    return build_once(final, lambda out_dir: build_into(out_dir, seed, final.name))

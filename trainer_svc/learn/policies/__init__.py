@@ -24,6 +24,8 @@ from pathlib import Path
 from shared.spec import RunSpec
 from trainer_svc.embedded.tiny import build_tiny
 from trainer_svc.embedded.tiny_chat import build_tiny_chat
+from trainer_svc.embedded.tiny_chat_tools import NAME as TOOLS_MODEL
+from trainer_svc.embedded.tiny_chat_tools import build_tiny_chat_tools
 from trainer_svc.learn.compute_model import PRESETS, ComputeModel
 from trainer_svc.learn.policies.base import Policy, PublishesItself
 from trainer_svc.learn.policies.distributed import DistributedPolicy, channel
@@ -59,10 +61,13 @@ def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
         model_dir = build_tiny(data_dir, seed)
     elif name == "tiny-chat":
         model_dir = build_tiny_chat(data_dir, seed)
+    elif name == TOOLS_MODEL:
+        model_dir = build_tiny_chat_tools(data_dir, seed)
     else:
         model_dir = Path(name)
         if not (model_dir / "config.json").is_file():
-            raise ValueError(f"model {name!r} is neither 'tiny', 'tiny-chat', an emu preset, "
+            raise ValueError(f"model {name!r} is neither 'tiny', 'tiny-chat', "
+                             f"{TOOLS_MODEL!r}, an emu preset, "
                              "nor an HF model directory")
     learning_rate = spec.learning_rate
     algorithm = spec.algorithm_config()
