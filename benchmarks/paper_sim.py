@@ -12,16 +12,21 @@ configuration simulates a 2-hour segment of a real spot trace after one warm-up 
 
 Writes ``docs/results/paper-sim.md`` and ``sim-*.png``, and regenerates the results page
 (``docs/results-simulated.md``, on the documentation site) between its ``paper-sim`` markers;
-each file's figure links are relative to that file, so both render where they stand.
+each file's figure links are relative to that file, so both render where they stand. The
+agentic workload (:mod:`benchmarks.paper_sim_agentic`) goes to ``paper-sim-agentic.md``,
+``sim-agentic.png`` and the page's ``paper-sim-agentic`` markers; ``--only agentic`` runs that
+part alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import time
 from pathlib import Path
 
+from benchmarks import paper_sim_agentic as agentic
 from benchmarks import paper_sim_plots as plots
 from benchmarks.trace import load
 from rollout_svc.engines.emu_models import serving_model
@@ -40,7 +45,7 @@ from sim.config import (
     Workload,
 )
 from sim.hindsight import StepCompare, compare
-from sim.outcome import Result, simulate
+from sim.outcome import Outcome, Result, simulate
 
 MODELS = ["emu-8b", "emu-14b", "emu-32b"]
 TRACES = ["p3", "g4dn", "gcp"]
@@ -51,6 +56,8 @@ RATIOS = [0.5, 1.0, 2.0]
 SHARP = ([0.0, 2400.0, 4800.0, 7200.0], [8, 2, 12, 4])
 SWEEP = [0.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0, 600.0]
 PAGE_BEGIN, PAGE_END = "<!-- paper-sim:begin -->", "<!-- paper-sim:end -->"
+AGENTIC_BEGIN = "<!-- paper-sim-agentic:begin -->"
+AGENTIC_END = "<!-- paper-sim-agentic:end -->"
 FIGURES = [("throughput and tokens per $", "sim-headline.png"),
            ("spot capacity", "sim-sensitivity.png"), ("ablations", "sim-ablations.png"),
            ("time breakdown", "sim-breakdown.png"),
@@ -99,9 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-page", type=Path, default=Path("docs/results-simulated.md"),
                         help="the page whose paper-sim section is regenerated")
     parser.add_argument("--steps", type=int, default=16, help="steps of the seeding comparison")
+    parser.add_argument("--only", choices=["all", "agentic"], default="all",
+                        help="agentic: only the agentic workload's section (and its own "
+                        "single-turn runs)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.only == "agentic":
+        write_agentic(args.out, args.results_page, None, started)
+        return 0
     sections: list[str] = []
 
     # 1. Headline and spot-capacity sensitivity: every model x trace x ratio.
@@ -162,7 +175,40 @@ def main(argv: list[str] | None = None) -> int:
     replace_section(args.results_page, body(args.results_page.parent))
     print(f"\nwrote {args.out}/paper-sim.md, sim-*.png and {args.results_page}'s results section "
           f"({time.monotonic() - started:.0f}s in all)")
+    singles = {t: (grid["emu-8b", t, 1.0][0].outcome, grid["emu-8b", t, 1.0][1].outcome)
+               for t in TRACES}
+    write_agentic(args.out, args.results_page, singles, started)
     return 0
+
+
+def write_agentic(out: Path, page: Path, singles: dict[str, tuple[Outcome, Outcome]] | None,
+                  started: float) -> None:
+    """The agentic section: its runs (the single-turn ones from ``singles`` if given), figure,
+    file and the page's section."""
+    clusters = {t: cluster_for(t, agentic.MODEL, 1.0) for t in TRACES}
+    pairs = agentic.simulate_pairs(clusters, SEGMENT_S, singles)
+    agentic.plot(pairs, out / "sim-agentic.png")
+    command = "`make bench-paper-sim` (this section alone: " \
+        "`python -m benchmarks.paper_sim --only agentic`)"
+    provenance = f"{command} at commit `{commit()}`."
+
+    def body(where: Path) -> str:
+        return agentic.section(pairs, provenance, figures_from(where, out))
+
+    (out / "paper-sim-agentic.md").write_text(body(out) + "\n")
+    print(body(out))
+    replace_section(page, body(page.parent), AGENTIC_BEGIN, AGENTIC_END)
+    print(f"\nwrote {out}/paper-sim-agentic.md, sim-agentic.png and {page}'s agentic section "
+          f"({time.monotonic() - started:.0f}s in all)")
+
+
+def commit() -> str:
+    """The source's commit, ``-dirty`` when the tree has changes: the results' provenance."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git)"
 
 
 def loss_note(boost: Result) -> str:
@@ -224,13 +270,14 @@ def intro(figures: str) -> str:
         + "\n".join(f"![{alt}]({figures}{name})" for alt, name in FIGURES))
 
 
-def replace_section(path: Path, body: str) -> None:
+def replace_section(path: Path, body: str, begin: str = PAGE_BEGIN,
+                    end: str = PAGE_END) -> None:
     text = path.read_text()
-    if PAGE_BEGIN not in text or PAGE_END not in text:
-        raise SystemExit(f"{path}: no {PAGE_BEGIN} ... {PAGE_END} section to regenerate")
-    head, rest = text.split(PAGE_BEGIN, 1)
-    _, tail = rest.split(PAGE_END, 1)
-    path.write_text(f"{head}{PAGE_BEGIN}\n{body}\n{PAGE_END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no {begin} ... {end} section to regenerate")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A discrete-event simulator of rlboost that runs the manager's own policy code.
 
 SIMULATION, not measurement. Modules: ``events`` (the clock), ``config`` (workload, costs,
-policy, prices), ``engine`` (a rollout instance's continuous batching), ``fleet`` (reserved and
+policy, prices), ``turns`` (a step's responses, agentic ones in model turns with tool
+calls between), ``engine`` (a rollout instance's continuous batching), ``fleet`` (reserved and
 trace-driven spot instances, weight pulls, billing), ``simulator`` (the step protocol with
 :mod:`manager_svc.seeding` and :mod:`manager_svc.placement` deciding), ``outcome`` (one
 policy's result over a measured span) and ``ideal`` (the bounds no scheduler can beat).

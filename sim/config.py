@@ -33,20 +33,72 @@ GPU_MEMORY_BYTES = 80e9  # H100 SXM5 HBM3 (NVIDIA datasheet)
 KV_MEMORY_SHARE = 0.9  # SGLang's default mem_fraction_static is about 0.9
 
 
+# Agentic responses (issue 38's tool use). ASSUMPTIONS, stated on the results page:
+# * model turns per response: 1 + Binomial(max_turns - 1, 0.5) with max_turns 4 (1/8 one turn,
+#   3/8 two, 3/8 three, 1/8 four; mean 2.5), the 2-4-turn tool use of the issue's example;
+# * each turn's length is drawn like a single-turn response (the emu engine's lognormal, keyed
+#   by the turn's start as the emu engine keys it) with its mean divided by the mean turns, so a
+#   response's model tokens average what a single-turn response's do; the whole response,
+#   observations included, stays within max_new_tokens (the spec's rule);
+# * a tool call takes a lognormal time with a median of 1.5 s and sigma 1.0 (p90 5.4 s, p99
+#   15.4 s before the cut): a sandboxed Python run or a search call with the bus round trip;
+#   a call past max_tool_s (the spec's default, 10 s; 2.9 % of calls) is answered at 10 s;
+# * every observation is 256 tokens (the spec's default max_observation_tokens: a full budget);
+# * the tool pool runs every call at once (enough reserved CPU workers; no queueing).
+AGENTIC_MAX_TURNS = 4
+AGENTIC_TURN_P = 0.5
+AGENTIC_TOOL_MEDIAN_S = 1.5
+AGENTIC_TOOL_SIGMA = 1.0
+AGENTIC_MAX_TOOL_S = 10.0
+AGENTIC_OBSERVATION_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Turns:
+    """Multi-turn responses: model turns, a tool call between two, an observation after it."""
+
+    max_turns: int = AGENTIC_MAX_TURNS
+    turn_p: float = AGENTIC_TURN_P  # each turn past the first: 1 + Binomial(max_turns - 1, p)
+    tool_median_s: float = AGENTIC_TOOL_MEDIAN_S
+    tool_sigma: float = AGENTIC_TOOL_SIGMA
+    max_tool_s: float = AGENTIC_MAX_TOOL_S
+    observation_tokens: int = AGENTIC_OBSERVATION_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or not 0.0 <= self.turn_p <= 1.0:
+            raise ValueError(f"turns: max_turns {self.max_turns} must be >= 1 and turn_p "
+                             f"{self.turn_p} within [0, 1]")
+        if self.tool_median_s < 0 or self.tool_sigma < 0 or self.max_tool_s < 0 \
+                or self.observation_tokens < 0:
+            raise ValueError("turns: tool times and observation tokens must be >= 0")
+
+    @property
+    def mean_turns(self) -> float:
+        return 1 + (self.max_turns - 1) * self.turn_p
+
+
 @dataclass(frozen=True)
 class Workload:
     prompts: int = 256
     samples: int = 16
     max_new_tokens: int = 128
-    mean_tokens: float = 32.0  # lognormal mean before truncation
+    mean_tokens: float = 32.0  # lognormal mean before truncation (model tokens of a response)
     sigma: float = 1.0
     prompt_tokens: int = 4
     seed: int = 0
+    turns: Turns | None = None  # None: single-turn responses
 
     @classmethod
     def reasoning(cls, prompts: int = 256, samples: int = 8, seed: int = 0) -> Workload:
         return cls(prompts, samples, REASONING_MAX_TOKENS, REASONING_MEAN_TOKENS, 1.0,
                    REASONING_PROMPT_TOKENS, seed)
+
+    @classmethod
+    def agentic(cls, prompts: int = 256, samples: int = 8, seed: int = 0,
+                turns: Turns | None = None) -> Workload:
+        """The reasoning workload in model turns with tool calls between them."""
+        return cls(prompts, samples, REASONING_MAX_TOKENS, REASONING_MEAN_TOKENS, 1.0,
+                   REASONING_PROMPT_TOKENS, seed, turns or Turns())
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ the batch every step costs the same, so the simulator does not walk tokens: a *s
 until the first running response finishes (one event), and an outside change (an assignment
 into a free slot, a revoke, a preemption) cuts the segment at the next decode-step boundary.
 With ``context_aware`` a sequence's KV read is charged at its true context, not a 4k constant.
+An agentic response's model turn ends a segment like a response's end does (``Response.stop``).
 """
 
 from __future__ import annotations
@@ -31,10 +32,31 @@ class Response:
     owner: Instance | None = None
     done: bool = False
     moves: int = 0
+    # Agentic responses (sim.turns): where each model turn ends (the last: ``length``), the
+    # tool call's seconds after each turn but the last, the tokens of each observation.
+    stops: tuple[int, ...] = ()
+    tool_s: tuple[float, ...] = ()
+    observation_tokens: int = 0
+    turn: int = 0  # the model turn it is in
+
+    @property
+    def stop(self) -> int:
+        """Where the current model turn ends: the response's end for a single turn."""
+        return self.stops[self.turn] if self.stops else self.length
+
+    @property
+    def turn_start(self) -> int:
+        """Where the current model turn starts: after the last committed observation."""
+        return self.stops[self.turn - 1] + self.observation_tokens if self.turn else 0
+
+    @property
+    def observed(self) -> int:
+        """Observation tokens in the whole response (masked out of the loss)."""
+        return self.observation_tokens * max(0, len(self.stops) - 1)
 
     @property
     def left(self) -> int:
-        return self.length - self.committed
+        return self.stop - self.committed
 
 
 @dataclass(eq=False)
@@ -87,6 +109,8 @@ def start_segment(inst: Instance, costs: Costs, now: float) -> float | None:
     inst.seg_start, inst.seg_prefill = now, costs.serving.prefill_s_per_token * prefill
     # Context grows as the segment runs: charge it at the segment's midpoint.
     steps = min(r.left for r in inst.active)
+    if steps <= 0:  # a response admitted at its turn's end would spin the clock in place
+        raise RuntimeError(f"{inst.id}: admitted a response with no tokens left in its turn")
     dt = step_seconds(costs, inst.active)
     if costs.context_aware:
         dt += costs.serving.decode_s_per_seq / CONTEXT_TOKENS * len(inst.active) * steps / 2
@@ -96,8 +120,8 @@ def start_segment(inst: Instance, costs: Costs, now: float) -> float | None:
 
 
 def advance(inst: Instance, now: float, cut: bool) -> tuple[list[Response], int]:
-    """Account the running segment up to ``now``; returns the responses that finished and
-    the tokens generated.
+    """Account the running segment up to ``now``; returns the responses that finished (or
+    finished a model turn: ``committed < length``) and the tokens generated.
 
     ``cut``: an outside change. The segment stops at the decode-step boundary at or after
     ``now`` (the engine takes changes between steps), so ``now`` moves there; the caller reads
@@ -113,9 +137,9 @@ def advance(inst: Instance, now: float, cut: bool) -> tuple[list[Response], int]
     for r in inst.active:
         r.committed += steps
         r.generated += steps
-        if r.committed >= r.length:
+        if r.committed >= r.stop:  # the response's end, or its model turn's
             finished.append(r)
-    inst.active = [r for r in inst.active if r.committed < r.length]
+    inst.active = [r for r in inst.active if r.committed < r.stop]
     inst.seg_steps = 0
     inst.seg_serial += 1
     return finished, steps * (len(inst.active) + len(finished))

@@ -9,6 +9,12 @@ has published its version; the reserved side generates during the window, hands 
 unfinished responses to spot instances (token-level: they keep their committed tokens) and
 trains groups as they complete; after the barrier the trainer finishes, steps the optimizer
 and publishes the next version, which the reserved side swaps in and spot instances pull.
+
+Agentic responses (:class:`sim.config.Turns`, docs/agentic.md): a model turn that ends before
+the response does hands the response back (its slot frees at once); its tool call runs on the
+reserved side's tool pool, taking no GPU; when the answer comes the observation's tokens are
+committed and the response is pending again, leased like any other (the next instance prefills
+its whole context, as after a move).
 """
 
 from __future__ import annotations
@@ -21,12 +27,12 @@ from typing import Any
 
 from manager_svc import placement
 from manager_svc.seeding import DEFAULT_WINDOW_S, SeedingState, next_window, observe, retarget
-from rollout_svc.engines.emu_models import response_length
 from sim import engine
 from sim.config import Cluster, Costs, Policy, Workload
 from sim.engine import Instance, Response
 from sim.events import EventQueue
 from sim.fleet import Fleet
+from sim.turns import make_response
 
 
 @dataclass
@@ -50,6 +56,8 @@ class Step:
     tokens_spot: int = 0
     migrations: int = 0
     regenerated: int = 0
+    tool_calls: int = 0
+    tool_s: float = 0.0  # summed over the step's calls
 
 
 @dataclass
@@ -127,9 +135,7 @@ class Simulator:
         responses: list[Response] = []
         for p in range(w.prompts):
             for s in range(w.samples):
-                length = response_length(w.seed, index, p, s, 0, w.mean_tokens, w.sigma,
-                                         w.max_new_tokens)
-                responses.append(Response(p, s, length, w.prompt_tokens, len(responses)))
+                responses.append(make_response(w, index, p, s, len(responses)))
         step = Step(index, self.clock.now, window, mode, responses,
                     open_groups=[w.samples] * w.prompts, remaining=len(responses))
         step.pending = [(r.prompt, r.sample, n) for n, r in enumerate(responses)]
@@ -254,12 +260,13 @@ class Simulator:
         inst.active = [r for r in inst.active if id(r) not in gone]
         inst.queue = type(inst.queue)(r for r in inst.queue if id(r) not in gone)
         for r in rids:
-            if r.done:
+            if r.done or r.owner is not inst:  # finished, or its turn did, in the cut
                 continue
             keep = r.committed if flush else \
                 r.committed // self.costs.chunk_tokens * self.costs.chunk_tokens
+            keep = max(keep, r.turn_start)  # a committed turn end and observation stay
             if self.policy.migration == "request":
-                keep = 0
+                keep, r.turn = 0, 0  # the trajectory from its start (tools run again)
             step.regenerated += r.committed - keep
             r.committed, r.owner = keep, None
             r.moves += 1
@@ -331,6 +338,14 @@ class Simulator:
             if tokens:
                 step.reserved_last_at = self.clock.now
         for r in finished:
+            if r.committed < r.length:  # a model turn ended: its tool call, off the GPU
+                r.owner = None
+                inst.held.remove(r)
+                seconds = r.tool_s[r.turn]
+                step.tool_calls += 1
+                step.tool_s += seconds
+                self.clock.after(seconds, partial(self._answered, step, r))
+                continue
             r.done, r.owner = True, None
             inst.held.remove(r)
             step.remaining -= 1
@@ -345,6 +360,15 @@ class Simulator:
             self._to_trainer(partial(setattr, step, "barrier_seen", True))
         if finished:
             self._train_next()
+
+    def _answered(self, step: Step, r: Response) -> None:
+        """A tool call's answer: the observation is committed, the next turn is pending."""
+        if step is not self.step:
+            return
+        r.turn += 1
+        r.committed = r.turn_start
+        heapq.heappush(step.pending, (r.prompt, r.sample, r.index))
+        self._dispatch()
 
     def _to_trainer(self, news: Any) -> None:
         """What the manager tells the trainer (a group complete, the barrier): it arrives
@@ -394,7 +418,8 @@ class Simulator:
         step, t = self.step, self.trainer
         assert step is not None and step.barrier_at is not None
         now = self.clock.now
-        tokens = sum(r.length for r in step.responses)
+        # Trained tokens: what the model sampled (observations are masked out of the loss).
+        tokens = sum(r.length - r.observed for r in step.responses)
         window = min(step.window, step.barrier_at - step.started)
         # The span the reserved side generated over, as the manager measures it: the window,
         # or, never handed off (no spot to take the work), until its last token.
@@ -411,6 +436,7 @@ class Simulator:
             "window_seen_s": window, "tokens_reserved": step.tokens_reserved,
             "tokens_spot": step.tokens_spot, "migrations": step.migrations,
             "tokens_regenerated": step.regenerated, "spot_count": self.seeding.spot_count,
+            "tool_calls": step.tool_calls, "tool_s": step.tool_s,
             "spot_first_s": spot_first - step.started,
             "reserved_last_s": min(last, step.barrier_at) - step.started,
             "tail_s": step.barrier_at - step.started - window,
