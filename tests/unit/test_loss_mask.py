@@ -9,24 +9,24 @@ masked mean, REINFORCE++'s whitening over trained tokens only. :class:`StepTrain
 streamed in a shuffled order, two passes of two mini-batches, SGD) must end on the reference's
 weights to 1e-12 and report its loss; and a spy on the logits shows that the rows predicting
 an observation token get a gradient of exactly zero while the rows predicting model tokens do
-not. Same float64 set-up as tests/unit/test_step_trainer.py (its RMSNorm patch included).
+not. The float64 set-up is tests/support/float64.py (its RMSNorm patch included).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
-from transformers.models.qwen2 import modeling_qwen2
 
 from shared.algorithm import Algorithm, AlgorithmConfig, KlEstimator, LossAgg, PolicyLoss, Scope
 from shared.turns import Turn, loss_mask
+from tests.support.float64 import (
+    float64_rms_norm,  # noqa: F401 (autouse fixture)
+    model64,
+)
 from trainer_svc.embedded import task
-from trainer_svc.embedded.tiny import tiny_config
 from trainer_svc.learn.algorithms import advantages, logprobs
 from trainer_svc.learn.step_trainer import Group, RunShape, StepTrainer
 
@@ -34,23 +34,6 @@ MAX_NEW = 12
 GROUPS = 4
 LR = 2.0  # large, so the second pass moves ratios past the clip
 TEMPERATURE = 0.7
-
-
-def _rms_norm_in_input_dtype(self: modeling_qwen2.Qwen2RMSNorm,
-                             hidden: torch.Tensor) -> torch.Tensor:
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
-
-
-@pytest.fixture(autouse=True)
-def float64_rms_norm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_in_input_dtype)
-    yield
-
-
-def _model64(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(tiny_config()).to(torch.float64)
 
 
 def _trajectory(rng: random.Random, shape: str) -> tuple[list[int], list[Turn]]:
@@ -238,15 +221,15 @@ IDS = [f"{a}{'+' if k else ''}{'-'.join(k)}" for a, k in CASES]
 def test_the_masked_step_equals_the_float64_reference(algorithm: str,
                                                       knobs: dict[str, object]) -> None:
     cfg = _config(algorithm, knobs)
-    reference = _model64(seed=1) if cfg.needs_reference else None
+    reference = model64(seed=1) if cfg.needs_reference else None
     groups = _groups()
-    trained, expected = _model64(), _model64()
+    trained, expected = model64(), model64()
     stats = _trained_step(trained, cfg, groups, reference)
     losses = _reference_step(expected, cfg, groups, reference)
 
     moved = 0.0
     for (name, pt), pe, p0 in zip(trained.named_parameters(), expected.parameters(),
-                                  _model64().parameters(), strict=True):
+                                  model64().parameters(), strict=True):
         torch.testing.assert_close(pt, pe, rtol=0, atol=1e-12, msg=name)
         moved = max(moved, float((pt - p0).detach().abs().max()))
     assert moved > 1e-6  # the step did something, so equality is not vacuous
@@ -258,7 +241,7 @@ def test_the_masked_step_equals_the_float64_reference(algorithm: str,
 def test_the_mask_changes_the_step() -> None:
     """The reference is not blind to the mask: training every token lands elsewhere."""
     cfg = _config("grpo", {})
-    masked, unmasked = _model64(), _model64()
+    masked, unmasked = model64(), model64()
     _trained_step(masked, cfg, _groups(), None)
     _trained_step(unmasked, cfg, [Group(g.prompt_index, g.prompts, g.responses, g.rewards,
                                         g.truncated) for g in _groups()], None)
@@ -271,8 +254,8 @@ def test_the_mask_changes_the_step() -> None:
 def test_observation_logits_get_exactly_zero_gradient(algorithm: str) -> None:
     cfg = _config(algorithm, {"kl_coef": 0.1, "entropy_coef": 0.01})
     groups = _groups()
-    spy = _Spy(_model64())
-    _trained_step(spy, cfg, groups, _model64(seed=1))
+    spy = _Spy(model64())
+    _trained_step(spy, cfg, groups, model64(seed=1))
     masks = {tuple(p + r): m for g in groups for p, r, m in
              zip(g.prompts, g.responses, g.loss_masks or [], strict=True)}
     observed = trained = 0
@@ -300,9 +283,9 @@ def test_a_mask_of_all_ones_is_no_mask_bit_for_bit() -> None:
                   [[1] * len(r) for r in g.responses]) for g in groups]
     plain = [Group(g.prompt_index, g.prompts, g.responses, g.rewards, g.truncated)
              for g in groups]
-    a, b = _model64(), _model64()
-    sa = _trained_step(a, cfg, ones, _model64(seed=1))
-    sb = _trained_step(b, cfg, plain, _model64(seed=1))
+    a, b = model64(), model64()
+    sa = _trained_step(a, cfg, ones, model64(seed=1))
+    sb = _trained_step(b, cfg, plain, model64(seed=1))
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert sa == sb
@@ -312,7 +295,7 @@ def test_a_mask_of_the_wrong_length_is_refused() -> None:
     g = _groups()[0]
     bad = Group(g.prompt_index, g.prompts, g.responses, g.rewards, g.truncated,
                 [m[:-1] for m in g.loss_masks or []])
-    model = _model64()
+    model = model64()
     trainer = StepTrainer(model, torch.optim.SGD(model.parameters(), lr=LR),
                           _config("grpo", {}), RunShape(MAX_NEW, TEMPERATURE, GROUPS),
                           task.PAD_ID)

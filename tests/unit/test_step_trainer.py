@@ -8,24 +8,24 @@ one forward with the step's weights, then ``updates_per_step`` passes of ``minib
 optimizer steps, each on the mini-batch's whole objective divided by its denominator.
 float64 model, SGD (Adam's first step is scale-free and would hide a wrong denominator),
 ``atol = 1e-12`` on every parameter after the step. HF's RMSNorm computes in float32 whatever
-the model's dtype; the fixture below keeps it in float64, or REINFORCE++'s streamed parts (two
-gradient sums combined at the barrier) would differ from the direct sum at ~1e-8 by float32
-rounding alone, which says nothing about streaming.
+the model's dtype; the fixture of tests/support/float64.py keeps it in float64, or
+REINFORCE++'s streamed parts (two gradient sums combined at the barrier) would differ from the
+direct sum at ~1e-8 by float32 rounding alone, which says nothing about streaming.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
-from transformers.models.qwen2 import modeling_qwen2
 
 from shared.algorithm import Algorithm, AlgorithmConfig
+from tests.support.float64 import (
+    float64_rms_norm,  # noqa: F401 (autouse fixture)
+    model64,
+)
 from trainer_svc.embedded import task
-from trainer_svc.embedded.tiny import tiny_config
 from trainer_svc.learn.algorithms import advantages, logprobs, losses
 from trainer_svc.learn.step_trainer import Group, RunShape, StepTrainer
 
@@ -33,23 +33,6 @@ MAX_NEW = 8
 GROUPS = 4
 LR = 2.0  # large, so a second pass moves ratios past the clip and clip_fraction is non-zero
 TEMPERATURE = 0.7  # T != 1: every log-prob is taken at the sampling temperature
-
-
-def _rms_norm_in_input_dtype(self: modeling_qwen2.Qwen2RMSNorm,
-                             hidden: torch.Tensor) -> torch.Tensor:
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
-
-
-@pytest.fixture(autouse=True)
-def float64_rms_norm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_in_input_dtype)
-    yield
-
-
-def _model64(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(tiny_config()).to(torch.float64)
 
 
 def _groups(seed: int = 7) -> list[Group]:
@@ -139,15 +122,15 @@ def test_streaming_equals_batch_with_several_updates(algorithm: str, knobs: dict
     cfg = AlgorithmConfig.for_run(
         {"algorithm": algorithm, "updates_per_step": 2, "minibatches": 2,
          "dynamic_sampling": False, **knobs}, max_new_tokens=MAX_NEW, groups_per_step=GROUPS)
-    reference = _model64(seed=1) if cfg.needs_reference else None
+    reference = model64(seed=1) if cfg.needs_reference else None
     groups = _groups()
-    streamed, batched = _model64(), _model64()
+    streamed, batched = model64(), model64()
     stats = _streamed_step(streamed, cfg, groups, reference)
     _batch_step(batched, cfg, groups, reference)
 
     moved = 0.0
     for (name, ps), pb, p0 in zip(streamed.named_parameters(), batched.parameters(),
-                                  _model64().parameters(), strict=True):
+                                  model64().parameters(), strict=True):
         torch.testing.assert_close(ps, pb, rtol=0, atol=1e-12, msg=name)
         moved = max(moved, float((ps - p0).detach().abs().max()))
     assert moved > 1e-6  # the step did something, so equality is not vacuous
@@ -170,7 +153,7 @@ def test_streaming_equals_batch_with_several_updates(algorithm: str, knobs: dict
 def test_one_pass_streams_everything_and_reports_the_data() -> None:
     cfg = AlgorithmConfig.for_algorithm("grpo")
     groups = _groups()
-    stats = _streamed_step(_model64(), cfg, groups, None)
+    stats = _streamed_step(model64(), cfg, groups, None)
     lengths = [len(r) for g in groups for r in g.responses]
     assert stats["streamed_fraction"] == 1.0 and stats["optimizer_steps"] == 1
     assert stats["clip_fraction"] == 0.0  # ratio 1: nothing clips on the first pass
@@ -188,7 +171,7 @@ def test_one_pass_streams_everything_and_reports_the_data() -> None:
 
 
 def test_a_step_without_signal_takes_no_optimizer_step() -> None:
-    model = _model64()
+    model = model64()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     trainer = StepTrainer(model, opt, AlgorithmConfig.for_algorithm("grpo"), RunShape(),
                           task.PAD_ID)
@@ -203,7 +186,7 @@ def test_a_step_without_signal_takes_no_optimizer_step() -> None:
 
 
 def test_a_group_added_twice_is_refused() -> None:
-    model = _model64()
+    model = model64()
     trainer = StepTrainer(model, torch.optim.SGD(model.parameters(), lr=LR),
                           AlgorithmConfig.for_algorithm("grpo"), RunShape(), task.PAD_ID)
     trainer.add_group(_groups()[0])
