@@ -70,22 +70,32 @@ class Turns:
     async def call(self, request_id: str) -> ToolCall | None:
         """The call that asks for the answer to ``request_id``'s last model turn; None if it
         awaits none (answered meanwhile, or its step is gone)."""
-        run_id, step, _, _ = names.parse_request_id(request_id)
-        req = Keys.request(request_id)
+        return (await self.calls([request_id]))[0]
+
+    async def calls(self, request_ids: list[str]) -> list[ToolCall | None]:
+        """:meth:`call` of each of ``request_ids``, in one round trip."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.sismember(Keys.tooling(run_id, step), request_id)
-        pipe.hmget(req, "turn", "obs")
-        pipe.get(Keys.tokens(request_id))
-        waiting, (turn, stored), tokens = await pipe.execute()
-        if not waiting or turn is None:
-            return None
-        turns = [t for t in response_turns(stored, tokens or "") if t.role == "observation"]
-        ids = [int(t) for t in str(tokens or "").split(",") if t]
-        # The scripts count ended model turns (1 after the first); a call names its turn
-        # 0-based, as the environment's call ids do.
-        return ToolCall(request_id=request_id, turn=int(turn) - 1,
-                        call_id=names.call_id(request_id, int(turn) - 1),
-                        response_token_ids=ids, action_start=turns[-1].end if turns else 0)
+        for rid in request_ids:
+            run_id, step, _, _ = names.parse_request_id(rid)
+            pipe.sismember(Keys.tooling(run_id, step), rid)
+            pipe.hmget(Keys.request(rid), "turn", "obs")
+            pipe.get(Keys.tokens(rid))
+        got = await pipe.execute() if request_ids else []
+        out: list[ToolCall | None] = []
+        for i, rid in enumerate(request_ids):
+            waiting, (turn, stored), tokens = got[3 * i:3 * i + 3]
+            if not waiting or turn is None:
+                out.append(None)
+                continue
+            observed = [t for t in response_turns(stored, tokens or "")
+                        if t.role == "observation"]
+            # The scripts count ended model turns (1 after the first); a call names its turn
+            # 0-based, as the environment's call ids do.
+            out.append(ToolCall(
+                request_id=rid, turn=int(turn) - 1, call_id=names.call_id(rid, int(turn) - 1),
+                response_token_ids=[int(t) for t in str(tokens or "").split(",") if t],
+                action_start=observed[-1].end if observed else 0))
+        return out
 
     async def answer(self, result: ToolResult) -> Answered:
         """Commit ``result`` once (``lua/turn.lua``)."""
@@ -105,7 +115,7 @@ class Turns:
         rids = await self._claim(keys=[Keys.run(claim.run_id)], args=[
             int(time.time() * 1000), Keys.tooling(claim.run_id, claim.step),
             int(claim.claim_s * 1000), claim.limit])
-        calls = [await self.call(str(rid)) for rid in rids]
+        calls = await self.calls([str(rid) for rid in rids])
         return ToolCalls(calls=[c for c in calls if c is not None])
 
     async def on_answer(self, result: ToolResult) -> Ack:
