@@ -30,7 +30,7 @@ from manager_svc.scripts import Call, register, run_batch
 from shared.digest import RowDigest, row_digest, rows_digest, token_csv, turns_json
 from shared.names import Keys, parse_request_id, request_id
 from shared.protocol import Assignment, Digest, Sample, TokenFrame
-from shared.turns import Turn, response_turns
+from shared.turns import Turn, loss_mask, response_turns
 
 log = logging.getLogger("manager")
 # Entries per commit script: frames are packed into one script until they reach this many (a
@@ -64,6 +64,12 @@ Row = list[str | None]
 def stored_turns(row: Row) -> list[Turn]:
     """A stored response's turns: none for a single-turn one (every token a model token)."""
     return response_turns(row[7], row[4] or "")
+
+
+def turns_mask(turns: list[Turn]) -> list[int]:
+    """The loss mask a stored response's turns give (empty for a single-turn one): samples
+    carry it beside their turns, and the trainer checks that the two agree."""
+    return loss_mask(turns, turns[-1].end) if turns else []
 
 
 def stored_digest(row: Row) -> RowDigest:
@@ -447,7 +453,7 @@ class Ledger:
                 weight_version=int(version or 0), prompt_token_ids=_ints(prompt),
                 response_token_ids=_ints(tokens), finish_reason=finish or "",
                 instances=[i for i in (instances or "").split(",") if i],
-                turns=stored_turns(row),
+                turns=(turns := stored_turns(row)), loss_mask=turns_mask(turns),
                 env_reward=None if row[8] is None else float(row[8]),
             ))
         out.sort(key=lambda x: (x.prompt_index, x.sample_index))

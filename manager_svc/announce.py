@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 from redis.exceptions import RedisError
 
-from manager_svc.accounting import Ledger, Row, stored_digest, stored_turns
+from manager_svc.accounting import Ledger, Row, stored_digest, stored_turns, turns_mask
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -78,6 +78,7 @@ class _StoredSample(msgspec.Struct, kw_only=True):
     finish_reason: str
     instances: list[str]
     turns: list[Turn] = []
+    loss_mask: list[int] = []
     env_reward: float | None = None
 
 
@@ -102,7 +103,8 @@ def _stored_sample(rid: str, row: Row) -> _StoredSample:
         prompt_token_ids=msgspec.Raw(f"[{prompt or ''}]".encode()),
         response_token_ids=msgspec.Raw(f"[{tokens or ''}]".encode()),
         finish_reason=finish or "", instances=[i for i in (instances or "").split(",") if i],
-        turns=stored_turns(row), env_reward=None if row[8] is None else float(row[8]))
+        turns=(turns := stored_turns(row)), loss_mask=turns_mask(turns),
+        env_reward=None if row[8] is None else float(row[8]))
 
 
 class Announcer:
