@@ -87,14 +87,15 @@ class Turns:
             if not waiting or turn is None:
                 out.append(None)
                 continue
-            observed = [t for t in response_turns(stored, tokens or "")
-                        if t.role == "observation"]
+            turns = response_turns(stored, tokens or "")
+            observed = [t for t in turns if t.role == "observation"]
+            start = observed[-1].end if observed else 0
             # The scripts count ended model turns (1 after the first); a call names its turn
             # 0-based, as the environment's call ids do.
             out.append(ToolCall(
                 request_id=rid, turn=int(turn) - 1, call_id=names.call_id(rid, int(turn) - 1),
                 response_token_ids=[int(t) for t in str(tokens or "").split(",") if t],
-                action_start=observed[-1].end if observed else 0))
+                action_start=start, history=[t for t in turns if t.end <= start]))
         return out
 
     async def answer(self, result: ToolResult) -> Answered:

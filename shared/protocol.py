@@ -22,7 +22,7 @@ import msgspec
 
 from shared.errors import ProtocolError
 from shared.names import INSTANCE_ID_MAX, INSTANCE_ID_PATTERN, REQUEST_ID_PATTERN
-from shared.spec import RunSpec
+from shared.spec import MAX_TURNS, RunSpec
 from shared.turns import Turn
 
 # The version of this module's messages. An instance speaking another one is refused at its
@@ -437,6 +437,9 @@ class ToolCall(Msg):
     call_id: Annotated[str, msgspec.Meta(max_length=120)]  # shared.names.call_id
     response_token_ids: list[int]  # everything after the prompt so far, the turn's end included
     action_start: Count  # where the turn's own ids begin in response_token_ids
+    # The committed turns before this one (model and observation turns, as samples carry
+    # them): what a tool worker that lost the episode's environment hands its ``restore``.
+    history: Annotated[list[Turn], msgspec.Meta(max_length=2 * MAX_TURNS)] = []
 
 
 class ToolClaim(Msg):

@@ -4,8 +4,9 @@ Contract (docs/agentic.md): while a step of a run with ``max_turns`` > 1 rolls o
 :meth:`ToolLoop.run` claims the step's awaited calls from the manager (``rlb.trainer.tools``;
 each claimed for twice ``max_tool_s`` plus a margin, then handed out again if no answer came),
 and for each: opens the response's episode on the :class:`~trainer_svc.inputs.tool_pool.EnvPool`
-if this process has not (a restarted trainer reopens it; the built-in environments keep no
-state between calls), decodes the action from the turn's own ids (never re-tokenized), runs
+unless the pool holds it (a restarted trainer, or a worker killed for another call, reopens
+it and hands the environment's ``restore`` the committed turns; the built-ins keep no state
+between calls and have none), decodes the action from the turn's own ids (never re-tokenized), runs
 the step, renders the observation between the turns (:meth:`ChatFormat.observation`, tokenized
 once) and sends the answer (``rlb.trainer.answer``). The manager commits one answer per turn;
 an answer it had already (``duplicate``: the call ran twice) counts as executed, not
@@ -98,15 +99,31 @@ class ToolLoop:
 
     async def _run(self, call: ToolCall) -> Outcome:
         rid = call.request_id
-        if rid not in self._open:
+        if not self.pool.holds(rid):
             _, _, prompt_index, _ = names.parse_request_id(rid)
             prompt = self.prompts[prompt_index]
             failed = await self.pool.open(rid, prompt.prompt, prompt.answer, self.seed)
+            if failed is None and call.history:  # reopened mid-episode: its state is rebuilt
+                failed = await self.pool.restore(rid, call.turn, self.history(call))
             if failed is not None:
                 return failed
             self._open.add(rid)
         action = self.chat.decode(call.response_token_ids[call.action_start:])
         return await self.pool.step(rid, call.turn, action)
+
+    def history(self, call: ToolCall) -> list[dict[str, str]]:
+        """The committed turns before ``call``'s, as an environment's ``restore`` takes them:
+        each model turn's action (decoded from its ids, as its call saw it) and the
+        observation that answered it."""
+        out: list[dict[str, str]] = []
+        action = ""
+        for t in call.history:
+            if t.role == "model":
+                action = self.chat.decode(call.response_token_ids[t.start:t.end])
+            else:
+                out.append({"call_id": t.call_id, "action": action,
+                            "observation": t.observation})
+        return out
 
     async def close(self) -> None:
         """End every episode still open (the step is over)."""

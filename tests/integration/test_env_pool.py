@@ -39,6 +39,11 @@ class Tool:
         if action == "done":
             return {"observation": None, "reward": 0.5, "done": True}
         return {"observation": "ok " + action, "reward": None, "done": False}
+
+    def restore(self, history):
+        if history and history[-1]["action"] == "unrestorable":
+            raise ValueError("cannot rebuild from " + history[-1]["call_id"])
+        self.restored = len(history)
 '''
 
 
@@ -188,3 +193,23 @@ def test_pools_of_successive_runs_share_one_registry(user_root: Path) -> None:
     first.committed()
     second.committed(2)
     assert value(registry, "rlboost_env_calls_committed_total") == 3
+
+
+async def test_restore_rebuilds_or_fails_counted(user_root: Path) -> None:
+    registry = CollectorRegistry()
+    async with pool(user_root, registry) as envs:
+        await envs.open("r:1:0:0", "p", None, 0)
+        ok = await envs.restore("r:1:0:0", 1, [{"call_id": "r:1:0:0:0", "action": "a",
+                                                "observation": "ok a"}])
+        held = envs.holds("r:1:0:0")
+        await envs.open("r:1:1:0", "p", None, 0)
+        bad = await envs.restore("r:1:1:0", 1, [{"call_id": "r:1:1:0:0",
+                                                 "action": "unrestorable", "observation": ""}])
+        after = await envs.step("r:1:1:0", 1, "x")
+        never = await envs.restore("r:1:2:0", 1, [])
+    assert ok is None and held
+    assert bad is not None and (bad.error, bad.done, bad.call_id) == ("restore", True, "r:1:1:0:1")
+    assert "cannot rebuild from r:1:1:0:0" in bad.detail
+    assert after.error == "lost" and not envs.holds("r:1:1:0")
+    assert never is not None and never.error == "lost"
+    assert failures(registry, "restore") == 1 and failures(registry, "lost") == 2

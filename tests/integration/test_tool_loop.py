@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from shared.bus import connect_nats, connect_redis
 from shared.names import Keys, request_id
 from shared.protocol import FrameEntry, TokenFrame, ToolClaim, ToolResult, decode, encode
 from shared.spec import DatasetSpec, RunSpec
+from shared.turns import loss_mask
 from trainer_svc.embedded import tiny_chat as tc
 from trainer_svc.inputs.chat import ChatFormat
 from trainer_svc.inputs.tool_pool import EnvPool
@@ -117,5 +119,128 @@ async def test_the_loop_answers_each_turn_once_and_ends_the_response(
             with contextlib.suppress(asyncio.CancelledError):
                 await loop_task
         await pool.close()
+        await nc.close()
+        await redis.aclose()
+
+
+TALLY_ENV = """
+import json, re
+
+LOG = {log!r}
+
+
+def _log(entry):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+
+
+def _number(text):
+    return sum(int(n) for n in re.findall(r"\\d+", text))
+
+
+class Tally:
+    # State across turns: a running total of the numbers the model said.
+    def __init__(self):
+        self.total = 0
+
+    def restore(self, history):
+        _log({{"restore": history}})
+        self.total = sum(_number(h["action"]) for h in history)
+
+    def step(self, action, call_id):
+        _log({{"call": call_id}})
+        self.total += _number(action)
+        done = "####" in action
+        return {{"observation": None if done else f"total {{self.total}}",
+                 "reward": float(self.total) if done else None, "done": done}}
+
+
+def make(prompt, answer, seed):
+    return Tally()
+"""
+
+
+async def test_a_restarted_trainer_restores_the_environment_from_committed_turns(
+        brokers: Stack, tmp_path: Path) -> None:
+    log = tmp_path / "calls.jsonl"
+    (tmp_path / "tally_env.py").write_text(TALLY_ENV.format(log=str(log)))
+    tok = tc.train_tokenizer()
+    chat = ChatFormat(tok)
+    prompt = chat.render(QUESTION)
+    redis = await connect_redis(brokers.redis.url)
+    await redis.flushdb()
+    nc = await connect_nats(brokers.nats.url, "test-tool-restore")
+    tasks: list[asyncio.Task[None]] = []
+    pools: list[EnvPool] = []
+    try:
+        runs = RunStore(redis, Archive(tmp_path))
+        env = "python:tally_env:make"
+        spec = RunSpec(model="tiny-chat", samples_per_prompt=1, prompts_per_step=1,
+                       dataset=DatasetSpec(path="x.jsonl"), env=env, max_turns=4)
+        run_id = (await runs.create(spec))["id"]
+        ledger = Ledger(redis, lease_ttl_s=60.0)
+        await ledger.create_step(run_id, 0, 0, [prompt.prompt_token_ids], 1, 96,
+                                 extra={"max_turns": 4})
+        turns = Turns(redis)
+        await serve(nc, names.TRAINER_TOOLS, ToolClaim, turns.on_claim)
+        await serve(nc, names.TRAINER_ANSWER, ToolResult, turns.on_answer)
+        rid = request_id(run_id, 0, 0, 0)
+
+        async def trainer() -> None:
+            """A trainer process's tool side: a fresh pool (no episode held) and loop."""
+            pool = EnvPool(env, dirs=[tmp_path], tool_s=5.0, workers=1, max_turns=4)
+            pools.append(pool)
+            await pool.start()
+            loop = ToolLoop(ManagerClient(nc, f"t{len(pools)}"), pool, chat, run_id, 0,
+                            [StepPrompt(prompt.prompt_token_ids, QUESTION, prompt.prompt_text,
+                                        "9")], seed=0, poll_s=0.05)
+            tasks.append(asyncio.create_task(loop.run()))
+
+        async def stop_trainer() -> None:
+            tasks[-1].cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tasks[-1]
+            await pools[-1].close()
+
+        async def model_turn(text: str) -> None:
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            lease = await ledger.assign(rid, "i0", 1.0, 0, 2)
+            assert lease is not None
+            offset = await redis.hget(Keys.request(rid), "n")
+            [got] = await ledger.commit(TokenFrame(instance_id="i0", entries=[FrameEntry.of(
+                request_id=rid, epoch=lease.epoch, weight_version=0, offset=int(offset or 0),
+                token_ids=ids, final=True, finish_reason="stop")]))
+            assert got.status == "tool"
+
+        async def answered() -> bool:
+            return bool(await redis.sismember(Keys.pending(run_id, 0), rid))
+
+        await trainer()
+        await model_turn("2<|im_end|>")
+        await until(answered, "turn 0's answer")
+        await stop_trainer()  # the episode's state goes with its process
+        await trainer()
+        await model_turn("3<|im_end|>")
+        await until(answered, "turn 1's answer")
+        await model_turn("#### 4<|im_end|>")
+        await until(lambda: redis.sismember(Keys.done(run_id, 0), rid), "the end")
+
+        [sample] = await ledger.samples([rid])
+        observed = [t for t in sample.turns if t.role == "observation"]
+        assert [t.observation for t in observed] == ["total 2", "total 5"]  # 5: state restored
+        assert sample.env_reward == 9.0
+        assert sample.loss_mask == loss_mask(sample.turns, len(sample.response_token_ids))
+        assert 0 in sample.loss_mask and sample.loss_mask[-1] == 1
+        entries = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [e["call"] for e in entries if "call" in e] == [f"{rid}:{k}" for k in range(3)]
+        [restored] = [e["restore"] for e in entries if "restore" in e]
+        assert restored == [{"call_id": f"{rid}:0", "action": "2", "observation": "total 2"}]
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for pool in pools:
+            await pool.close()
         await nc.close()
         await redis.aclose()

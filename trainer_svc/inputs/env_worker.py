@@ -11,6 +11,10 @@ Contract (the only peer is :class:`trainer_svc.inputs.tool_pool.EnvPool`):
   traceback)``, ``("invalid", why)``, or ``("lost", why)`` for a key this process does not
   hold (it was never opened here, or this process replaced one that was killed). An episode
   that is done, raised or broke the contract is dropped.
+- ``("restore", key, history)`` hands an episode rebuilt after its state was lost the turns
+  it had committed (``history``: a list of ``{"call_id", "action", "observation"}`` dicts,
+  oldest first), when its environment has a ``restore`` method: ``("ok", None)``, or
+  ``("restore", traceback)`` if it raised (the episode is dropped), or ``("lost", why)``.
 - ``("close", key)`` drops an episode: ``("ok", None)``. ``None`` or a closed channel ends the
   worker.
 - Calls run one at a time on the main thread; the caller's timeout kills the process.
@@ -59,7 +63,23 @@ class Episodes:
             return "ok", None
         if verb == "step":
             return self._step(key, message[2], message[3])
+        if verb == "restore":
+            return self._restore(key, message[2])
         return "invalid", f"unknown message {verb!r}"
+
+    def _restore(self, key: str, history: list[dict[str, str]]) -> tuple[str, Any]:
+        env = self.held.get(key)
+        if env is None:
+            return "lost", f"episode {key} is not held by this worker (its worker was replaced)"
+        restore = getattr(env, "restore", None)
+        if restore is None:  # an environment without it keeps no state between calls
+            return "ok", None
+        try:
+            restore(history)
+        except Exception:
+            del self.held[key]
+            return "restore", traceback.format_exc()
+        return "ok", None
 
     def _step(self, key: str, action: str, call_id: str) -> tuple[str, Any]:
         env = self.held.get(key)

@@ -18,17 +18,23 @@ Contract:
   ``call_id = shared.names.call_id(request_id, turn)``; ``await end(request_id)`` drops it.
   ``open`` returns None, or a failed :class:`Outcome` when the factory raised; ``step``
   always returns an :class:`Outcome` and never raises for what the environment does.
+- ``holds(request_id)``: whether the episode is open here and its worker still has it.
+  ``await restore(request_id, turn, history)`` hands a reopened episode (this process
+  restarted, or the episode's worker was killed) its committed turns, through the
+  environment's optional ``restore(history)`` (docs/agentic.md): None, or a failed Outcome
+  (reason ``restore``) with turn ``turn``'s call id.
 - Concurrency: one call at a time per worker, so ``workers`` bounds the calls running at once;
   an episode stays on its worker (its state lives there).
 - Failures (``Outcome.error``): ``factory`` (the factory raised), ``raised`` (step raised),
   ``invalid`` (a value outside the contract: not a dict, a non-string observation, a reward
   that is not a finite number, ...), ``timeout`` (no answer within ``tool_s``: the worker is
   killed, SIGKILL to its process group), ``crashed`` (the worker died), ``lost`` (the episode's
-  worker was killed for another episode's call), ``max_turns`` (a turn past the run's
-  ``max_turns``). Each ends the episode: ``done`` True, ``reward`` 0.0, ``observation`` None,
-  the cause in ``detail``. Each is counted (``rlboost_env_call_failures_total{reason}``;
-  timeouts also in ``rlboost_env_call_timeouts_total``) and the first of each reason is
-  logged with its detail, later ones only counted. The run goes on.
+  worker was killed for another episode's call), ``restore`` (its ``restore`` raised),
+  ``max_turns`` (a turn past the run's ``max_turns``). Each ends the episode: ``done`` True,
+  ``reward`` 0.0, ``observation`` None, the cause in ``detail``. Each is counted
+  (``rlboost_env_call_failures_total{reason}``; timeouts also in
+  ``rlboost_env_call_timeouts_total``) and the first of each reason is logged with its
+  detail, later ones only counted. The run goes on.
 - Limits that cut rather than fail: an observation over ``max_observation_tokens`` (by
   ``fit``: the run's tokenizer, see :func:`tokenizer_fit`; without one, UTF-8 bytes, a bound
   no tokenizer's count exceeds) is cut to the budget, ``truncated`` set and counted
@@ -65,7 +71,8 @@ FAILED_REWARD = 0.0
 _MODULE = "trainer_svc.inputs.env_worker"
 # A failure's reason, by the worker's or the caller's word for it.
 _REASONS = {"factory": "factory", "raised": "raised", "invalid": "invalid",
-            "timeouts": "timeout", "crashed": "crashed", "lost": "lost", "max_turns": "max_turns"}
+            "timeouts": "timeout", "crashed": "crashed", "lost": "lost", "max_turns": "max_turns",
+            "restore": "restore"}
 log = logging.getLogger(__name__)
 
 
@@ -199,6 +206,24 @@ class EnvPool:
         self._forget(request_id)
         return self._failed(call_id(request_id, 0), "factory" if kind == "raised" else kind,
                             str(detail))
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the episode is open and its worker still has its state."""
+        return request_id in self._where and request_id not in self._lost
+
+    async def restore(self, request_id: str, turn: int,
+                      history: Sequence[dict[str, str]]) -> Outcome | None:
+        """Hand a reopened episode its committed turns (module doc); None when it took them."""
+        slot = self._where.get(request_id)
+        cid = call_id(request_id, turn)
+        if slot is None or request_id in self._lost:
+            self._forget(request_id)
+            return self._failed(cid, "lost", f"episode {request_id} is not open")
+        kind, detail = await self._call(slot, ("restore", request_id, list(history)))
+        if kind == "ok":
+            return None
+        self._forget(request_id)
+        return self._failed(cid, kind, str(detail))
 
     async def step(self, request_id: str, turn: int, action: str) -> Outcome:
         """Run turn ``turn`` of an open episode; never raises for the environment."""
