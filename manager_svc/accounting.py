@@ -29,7 +29,7 @@ from manager_svc.crash import STEP_CREATE_COMMIT, STEP_CREATE_REQUESTS, CrashPoi
 from manager_svc.scripts import Call, register, run_batch
 from shared.digest import RowDigest, row_digest, rows_digest, token_csv, turns_json
 from shared.names import Keys, parse_request_id, request_id
-from shared.protocol import Assignment, Digest, Sample, TokenFrame
+from shared.protocol import Assignment, Digest, Sample, TokenFrame, unpack_logprobs
 from shared.turns import Turn, loss_mask, response_turns
 
 log = logging.getLogger("manager")
@@ -57,13 +57,23 @@ _int_list = msgspec.json.Decoder(list[int])
 
 
 # A response as stored: p, s, version, prompt, tokens, finish, instances, obs (an agentic
-# response's observation turns), env_reward (its environment's reward)
+# response's observation turns), env_reward (its environment's reward), logprobs (hex)
 Row = list[str | None]
 
 
 def stored_turns(row: Row) -> list[Turn]:
     """A stored response's turns: none for a single-turn one (every token a model token)."""
     return response_turns(row[7], row[4] or "")
+
+
+def stored_logprobs(row: Row) -> list[float]:
+    """A stored response's behaviour log-probs, one per token; empty unless every token has
+    one (an entry without any leaves the stored ones short of the tokens)."""
+    hexed, tokens = row[9] if len(row) > 9 else None, row[4]
+    n = tokens.count(",") + 1 if tokens else 0
+    if not hexed or len(hexed) != 8 * n:
+        return []
+    return unpack_logprobs(bytes.fromhex(hexed))
 
 
 def turns_mask(turns: list[Turn]) -> list[int]:
@@ -291,7 +301,8 @@ class Ledger:
             csv = token_csv(e.token_ids) if texts is None else msgspec.Raw(
                 b'"' + texts[i][1:-1] + b'"')
             entries.append([e.request_id, str(e.epoch), e.weight_version, e.offset,
-                            e.n_tokens, csv, e.final, e.finish_reason or "", skey])
+                            e.n_tokens, csv, e.final, e.finish_reason or "", skey,
+                            e.logprobs.hex()])
         return _json.encode([frame.instance_id, frame.kind, entries])
 
     def pack(self, frames: list[TokenFrame], texts: list[list[bytes]] | None = None
@@ -455,6 +466,7 @@ class Ledger:
                 instances=[i for i in (instances or "").split(",") if i],
                 turns=(turns := stored_turns(row)), loss_mask=turns_mask(turns),
                 env_reward=None if row[8] is None else float(row[8]),
+                behaviour_logprobs=stored_logprobs(row),
             ))
         out.sort(key=lambda x: (x.prompt_index, x.sample_index))
         return out

@@ -25,7 +25,14 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as Nats
 from redis.exceptions import RedisError
 
-from manager_svc.accounting import Ledger, Row, stored_digest, stored_turns, turns_mask
+from manager_svc.accounting import (
+    Ledger,
+    Row,
+    stored_digest,
+    stored_logprobs,
+    stored_turns,
+    turns_mask,
+)
 from manager_svc.metrics import ManagerMetrics
 from manager_svc.runs import RunStore
 from manager_svc.soft_state import SoftState
@@ -80,6 +87,7 @@ class _StoredSample(msgspec.Struct, kw_only=True):
     turns: list[Turn] = []
     loss_mask: list[int] = []
     env_reward: float | None = None
+    behaviour_logprobs: list[float] = []
 
 
 class _StoredGroupDone(msgspec.Struct, tag="GroupDone", kw_only=True):
@@ -104,7 +112,8 @@ def _stored_sample(rid: str, row: Row) -> _StoredSample:
         response_token_ids=msgspec.Raw(f"[{tokens or ''}]".encode()),
         finish_reason=finish or "", instances=[i for i in (instances or "").split(",") if i],
         turns=(turns := stored_turns(row)), loss_mask=turns_mask(turns),
-        env_reward=None if row[8] is None else float(row[8]))
+        env_reward=None if row[8] is None else float(row[8]),
+        behaviour_logprobs=stored_logprobs(row))
 
 
 class Announcer:

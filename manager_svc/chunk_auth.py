@@ -39,7 +39,11 @@ LOG_EVERY_S = 10.0  # at most one line per kind of dropped entry this often
 # The rejected_entries label of each reason this module gives, by how its text begins.
 LABELS = (("token id outside", "vocabulary"), ("negative offset", "offset"),
           ("bytes of tokens", "partial_token"), ("bad MAC", "mac"),
-          ("run differs", "run"), ("instance differs", "instance"))
+          ("run differs", "run"), ("instance differs", "instance"), ("log-probs", "logprobs"))
+# The behaviour log-probs an entry may carry: below the floor no float32 softmax of finite
+# logits reaches (a probability under e^-1e4 rounds to 0 there and then -inf), at most a
+# rounding error above 0.
+LOGPROB_MIN, LOGPROB_MAX = -1e4, 1e-3
 
 
 def label(why: str) -> str:
@@ -108,6 +112,14 @@ def invalid(entry: FrameEntry, vocab_size: int, ids: list[int]) -> str | None:
         return f"{len(entry.tokens)} bytes of tokens are not whole {TOKEN_WIDTH}-byte ids"
     if vocab_size > 0 and ids and max(ids) >= vocab_size:
         return f"token id outside the vocabulary of {vocab_size}"
+    if entry.logprobs:
+        if len(entry.logprobs) != len(entry.tokens):
+            return (f"log-probs of {len(entry.logprobs)} bytes for {entry.n_tokens} tokens "
+                    "(one float32 each)")
+        # NaN fails both comparisons; a float32 log_softmax may round a sure token a hair
+        # above 0, so the bound allows that and nothing a probability could not give.
+        if not all(LOGPROB_MIN <= v <= LOGPROB_MAX for v in entry.logprob_values):
+            return f"log-probs outside [{LOGPROB_MIN:g}, {LOGPROB_MAX:g}] or not finite"
     return None
 
 

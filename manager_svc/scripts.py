@@ -41,7 +41,14 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from shared.names import HELD_PREFIX, LEASE_PREFIX, REQUEST_PREFIX, RUN_PREFIX, TOKENS_SUFFIX
+from shared.names import (
+    HELD_PREFIX,
+    LEASE_PREFIX,
+    LOGPROBS_SUFFIX,
+    REQUEST_PREFIX,
+    RUN_PREFIX,
+    TOKENS_SUFFIX,
+)
 
 log = logging.getLogger("manager")
 WAIT_MS = 1000  # one WAIT for replicas; a shortfall is waited for again, never skipped
@@ -56,8 +63,9 @@ _NODE_CLIENTS: weakref.WeakKeyDictionary[Any, dict[str, aioredis.Redis]] = (
     weakref.WeakKeyDictionary())
 _INCLUDE = re.compile(r"^-- include: (\S+\.lua)$", re.MULTILINE)
 _CONSTANT = re.compile(r"@([A-Z_]+)@")
-CONSTANTS = {"TOKENS_SUFFIX": TOKENS_SUFFIX, "REQUEST_PREFIX": REQUEST_PREFIX,
-             "LEASE_PREFIX": LEASE_PREFIX, "HELD_PREFIX": HELD_PREFIX, "RUN_PREFIX": RUN_PREFIX}
+CONSTANTS = {"TOKENS_SUFFIX": TOKENS_SUFFIX, "LOGPROBS_SUFFIX": LOGPROBS_SUFFIX,
+             "REQUEST_PREFIX": REQUEST_PREFIX, "LEASE_PREFIX": LEASE_PREFIX,
+             "HELD_PREFIX": HELD_PREFIX, "RUN_PREFIX": RUN_PREFIX}
 
 
 @cache

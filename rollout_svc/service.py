@@ -86,6 +86,9 @@ class InFlight:
     assignment: Assignment
     offset: int  # next response position to publish (committed tokens count)
     buffer: list[int] = field(default_factory=list)
+    # The buffered tokens' behaviour log-probs, while the engine gives one for every token
+    # (once one is missing the response's would be incomplete, and none are sent).
+    logprobs: list[float] | None = field(default_factory=list)
     final: bool = False
     finish_reason: str | None = None
     frozen: bool = False  # being handed back: generation stopped, only its buffer goes out
@@ -377,6 +380,11 @@ class RolloutService:
                 # complete on arrival; only a token at the next position is new.
                 if ev.position == item.offset + len(item.buffer):
                     item.buffer.append(ev.token_id)
+                    if item.logprobs is not None:
+                        if ev.logprob is None:
+                            item.logprobs = None
+                        else:
+                            item.logprobs.append(ev.logprob)
                 if ev.finished:
                     item.final, item.finish_reason = True, ev.finish_reason
             if not any(i.flush_due(self.cfg.chunk_tokens) for i in self.inflight.values()):
@@ -450,6 +458,8 @@ class RolloutService:
         for (rid, item), entry in zip(items, entries, strict=True):
             item.offset += entry.n_tokens
             del item.buffer[:entry.n_tokens]
+            if item.logprobs is not None:
+                del item.logprobs[:entry.n_tokens]
             item.sending = 0
             if entry.final:
                 self.inflight.pop(rid, None)
@@ -461,6 +471,7 @@ class RolloutService:
             request_id=rid, epoch=a.epoch, weight_version=a.weight_version, offset=item.offset,
             token_ids=item.buffer, final=item.final,
             finish_reason=item.finish_reason if item.final else None,  # type: ignore[arg-type]
+            logprobs=item.logprobs if item.logprobs is not None else (),
         )
         entry.mac = entry_mac(a.lease_key, self.cfg.instance_id, entry)
         return entry

@@ -35,6 +35,10 @@ def entry_mac(lease_key: str, instance_id: str, entry: FrameEntry) -> str:
 
 def entry_digest(key: bytes, instance_id: str, entry: FrameEntry) -> bytes:
     """:func:`entry_mac` as raw bytes under a raw key (at most MAC_KEY_MAX bytes)."""
-    head = _encoder.encode([entry.request_id, instance_id, entry.epoch, entry.weight_version,
-                            entry.offset, entry.final, entry.finish_reason])
-    return hashlib.blake2b(head + entry.tokens, key=key, digest_size=32).digest()
+    fields: list[object] = [entry.request_id, instance_id, entry.epoch, entry.weight_version,
+                            entry.offset, entry.final, entry.finish_reason]
+    if entry.logprobs:  # their length in the head: where the ids end and they begin is fixed
+        fields.append(len(entry.logprobs))
+    head = _encoder.encode(fields)
+    return hashlib.blake2b(head + entry.tokens + entry.logprobs, key=key,
+                           digest_size=32).digest()

@@ -36,6 +36,7 @@ import re
 
 PREFIX = "rlb"
 TOKENS_SUFFIX = ":tokens"  # Keys.tokens; the scripts get it from manager_svc.scripts
+LOGPROBS_SUFFIX = ":logprobs"  # Keys.logprobs; likewise
 RUN_INSTANCES_SUFFIX = ":instances"  # Keys.run_instances, after the run key
 CHUNK_STREAM = "RLB_CHUNKS"
 CHUNK_CONSUMER = "manager"
@@ -325,9 +326,16 @@ class Keys:
         return Keys.request(rid) + TOKENS_SUFFIX
 
     @staticmethod
-    def response(rid: str) -> tuple[str, str]:
-        """Every key one response owns (its hash and its tokens): what dropping it deletes."""
-        return Keys.request(rid), Keys.tokens(rid)
+    def logprobs(rid: str) -> str:
+        """A response's behaviour log-probs, appended with its tokens: 8 hex digits per token
+        (float32, little-endian), absent where no entry carried any."""
+        return Keys.request(rid) + LOGPROBS_SUFFIX
+
+    @staticmethod
+    def response(rid: str) -> tuple[str, str, str]:
+        """Every key one response owns (its hash, tokens and log-probs): what dropping it
+        deletes."""
+        return Keys.request(rid), Keys.tokens(rid), Keys.logprobs(rid)
 
     @staticmethod
     def lease(rid: str) -> str:

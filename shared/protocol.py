@@ -28,7 +28,7 @@ from shared.turns import Turn
 # The version of this module's messages. An instance speaking another one is refused at its
 # first heartbeat with both versions named (:class:`Refused`), not dropped beat by beat as
 # malformed. Raise it with any change an older peer cannot decode.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: frame entries carry behaviour log-probs
 
 InstanceKind = Literal["reserved", "spot"]
 InstanceState = Literal["starting", "loading", "ready", "draining"]
@@ -52,22 +52,42 @@ if array("I").itemsize != TOKEN_WIDTH:  # every platform CPython supports has a 
 _SWAP = sys.byteorder != "little"  # the wire is little-endian whatever the host is
 
 
-def pack_token_ids(ids: Sequence[int]) -> bytes:
-    """``ids`` as :attr:`FrameEntry.tokens` carries them; an OverflowError for an id outside
-    [0, 2^32)."""
-    packed = array("I", ids)
+def _pack(typecode: str, values: Sequence[Any]) -> bytes:
+    packed = array(typecode, values)
     if _SWAP:
         packed.byteswap()
     return packed.tobytes()
 
 
-def unpack_token_ids(data: bytes) -> list[int]:
-    """The ids :func:`pack_token_ids` packed; a ValueError if ``data`` is not whole ids."""
-    packed = array("I")
-    packed.frombytes(data)
+def _unpack(typecode: str, data: bytes) -> list[Any]:
+    packed = array(typecode)
+    packed.frombytes(data)  # a ValueError if data is not whole items
     if _SWAP:
         packed.byteswap()
     return packed.tolist()
+
+
+def pack_token_ids(ids: Sequence[int]) -> bytes:
+    """``ids`` as :attr:`FrameEntry.tokens` carries them; an OverflowError for an id outside
+    [0, 2^32)."""
+    return _pack("I", ids)
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    """The ids :func:`pack_token_ids` packed; a ValueError if ``data`` is not whole ids."""
+    return _unpack("I", data)
+
+
+def pack_logprobs(values: Sequence[float]) -> bytes:
+    """Behaviour log-probs as :attr:`FrameEntry.logprobs` carries them: float32, little-endian,
+    one per token (float32 is what engines compute them in; the trainer's ratio needs no
+    more)."""
+    return _pack("f", values)
+
+
+def unpack_logprobs(data: bytes) -> list[float]:
+    """The values :func:`pack_logprobs` packed; a ValueError if ``data`` is not whole floats."""
+    return _unpack("f", data)
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
@@ -186,15 +206,19 @@ class FrameEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     finish_reason: FinishReason | None = None
     # entry_mac under the lease key of its Assignment; checked before any commit
     mac: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # Each new token's behaviour log-prob (pack_logprobs: one float32 per token), as the
+    # engine sampled it; empty where the engine gives none. Committed with the tokens.
+    logprobs: Annotated[bytes, msgspec.Meta(max_length=TOKEN_WIDTH << 18)] = b""
 
     @classmethod
     def of(cls, *, request_id: str, epoch: int, weight_version: int, offset: int,
            token_ids: Sequence[int], final: bool = False,
-           finish_reason: FinishReason | None = None) -> FrameEntry:
+           finish_reason: FinishReason | None = None,
+           logprobs: Sequence[float] = ()) -> FrameEntry:
         """An entry of these ids (unsigned 32-bit each), with no MAC yet (:func:`entry_mac`)."""
         return cls(request_id=request_id, epoch=epoch, weight_version=weight_version,
                    offset=offset, tokens=pack_token_ids(token_ids), final=final,
-                   finish_reason=finish_reason)
+                   finish_reason=finish_reason, logprobs=pack_logprobs(logprobs))
 
     @property
     def whole(self) -> bool:
@@ -209,6 +233,11 @@ class FrameEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def token_ids(self) -> list[int]:
         """The ids ``tokens`` packs (a ValueError if it is not :attr:`whole`)."""
         return unpack_token_ids(self.tokens)
+
+    @property
+    def logprob_values(self) -> list[float]:
+        """The log-probs ``logprobs`` packs (a ValueError if it is not whole floats)."""
+        return unpack_logprobs(self.logprobs)
 
 
 class TokenFrame(Msg):
@@ -267,6 +296,9 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # token, trained; 0: an observation token). Empty: one model turn, every token trained.
     turns: list[Turn] = []
     loss_mask: list[int] = []
+    # Each response token's behaviour log-prob, as the engine that sampled it reported it (an
+    # observation token: 0.0). Empty where any token's is unknown (an engine that gives none).
+    behaviour_logprobs: list[float] = []
     # An agentic response's environment's own reward, where its environment gave one: the
     # trainer scores the response with it rather than the run's reward function.
     env_reward: float | None = None

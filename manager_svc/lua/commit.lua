@@ -3,7 +3,8 @@
 -- epoch and offset). KEYS: the run's record key (names the run's slot; every entry is of that
 -- run). ARGV: now, leased/done/pending/tool suffixes of the step key, then one JSON array per
 -- frame: [instance, kind, entries], an entry
--- being [request id, epoch, version, offset, ntok, tokens csv, final, finish, step key] (see
+-- being [request id, epoch, version, offset, ntok, tokens csv, final, finish, step key,
+-- log-probs hex ("" for none)] (see
 -- Ledger._frame_arg; one argument per frame, as packing arguments was most of the commit's
 -- CPU). Returns "status n,status n,..." per entry, in order.
 -- include: common.lua
@@ -17,7 +18,7 @@ local function count(step, field, by)
   counts[step][field] = (counts[step][field] or 0) + by
 end
 local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, finish, kind,
-                      step)
+                      step, logprobs)
   local req, lease, leased = req_key(rid), lease_key(rid), step .. ARGV[2]
   local st = redis.call('HMGET', req, 'done', 'epoch', 'n', 'version', 'max', 'last', 'p',
                         'tokens', 'turn')
@@ -72,6 +73,12 @@ local function commit(rid, inst, epoch_s, version, offset, ntok, tokens, final, 
     take_legacy_tokens(req, st[8])  -- st[8] is nil for every response written since
     redis.call('APPEND', req .. TOKENS, n == 0 and tokens or (',' .. tokens))
     wrote(req .. TOKENS)
+    if logprobs ~= '' then
+      -- With the tokens, under the same checks: exactly once. A response some entry of which
+      -- had none keeps fewer than its tokens, which reads as unknown (accounting).
+      redis.call('APPEND', req .. LOGPROBS, logprobs)
+      wrote(req .. LOGPROBS)
+    end
     n = n + ntok
     -- When the lease last moved: the no-progress check (stalled_leases.lua) reads it.
     redis.call('HSET', req, 'n', n, 'progress_at', now)
@@ -114,7 +121,7 @@ for i = 6, #ARGV do
   local inst, kind = f[1], f[2]
   for _, e in ipairs(f[3]) do
     local status, n = commit(e[1], inst, e[2], e[3], e[4], e[5], e[6], e[7] and '1' or '0',
-                             e[8], kind, e[9])
+                             e[8], kind, e[9], e[10] or '')
     out[#out + 1] = status .. ' ' .. n
   end
 end

@@ -4,6 +4,8 @@
 -- include: retired.lua
 -- A response's tokens are a string key of their own, appended to (names.Keys.tokens).
 local TOKENS = '@TOKENS_SUFFIX@'
+-- Its behaviour log-probs, appended with them (names.Keys.logprobs): 8 hex digits a token.
+local LOGPROBS = '@LOGPROBS_SUFFIX@'
 local function take_legacy_tokens(req, legacy)
   -- A response written before its tokens had a key of their own keeps them in its hash: they
   -- move on its first lease or commit, so an upgraded manager continues it exactly.
@@ -26,7 +28,7 @@ end
 local function write_request(rid, run, step, p, s, version, prompt, max_new)
   -- A response as created, fresh (create_requests.lua, extend_step.lua).
   local key = req_key(rid)
-  redis.call('DEL', key, key .. TOKENS)
+  redis.call('DEL', key, key .. TOKENS, key .. LOGPROBS)
   redis.call('HSET', key, 'run', run, 'step', step, 'p', p, 's', s, 'version', version,
              'prompt', prompt, 'n', 0, 'epoch', 0, 'owner', '', 'done', '0',
              'finish', '', 'instances', '', 'last', '', 'seen', 0, 'max', max_new)

@@ -4,8 +4,10 @@
 -- as the commit script derives them.
 -- KEYS: the run's record key (names its slot) | ARGV: request ids, all of that run
 -- Returns, per id in order: {p, s, version, prompt, tokens, finish, instances, obs,
--- env_reward}, each false where absent (obs: an agentic response's observation turns, turn.lua); tokens are the response's own string, or its hash field for a response
--- committed before responses kept their tokens apart (never moved since).
+-- env_reward, logprobs}, each false where absent (obs: an agentic response's observation
+-- turns, turn.lua; logprobs: the behaviour log-probs' hex); tokens are the response's own
+-- string, or its hash field for a response committed before responses kept their tokens
+-- apart (never moved since).
 -- include: keys.lua
 local out = {}
 for i = 1, #ARGV do
@@ -16,6 +18,7 @@ for i = 1, #ARGV do
   if text and text ~= '' then
     row[5] = text
   end
+  row[10] = redis.call('GET', req .. '@LOGPROBS_SUFFIX@')
   out[#out + 1] = row
 end
 return out

@@ -24,7 +24,7 @@ local waste = tonumber(redis.call('HGET', req, 'seen') or '0')
 if ARGV[3] == 'request' and n > 0 then
   waste = waste + n
   redis.call('HDEL', req, 'tokens')  -- a legacy response's, if it was never moved
-  redis.call('DEL', req .. TOKENS)
+  redis.call('DEL', req .. TOKENS, req .. LOGPROBS)
   redis.call('HSET', req, 'n', 0, 'instances', '', 'last', '')
   redis.call('HINCRBY', KEYS[5], 'tokens', -n)
 end

@@ -45,6 +45,12 @@ else
   if count > 0 then
     redis.call('APPEND', req .. TOKENS, n == 0 and ids or (',' .. ids))
     wrote(req .. TOKENS)
+    if redis.call('STRLEN', req .. LOGPROBS) == 8 * n then
+      -- An observation was not sampled: 0.0 (float32 zero) keeps the log-probs aligned with
+      -- the tokens; masked out of the loss, it is never read as a probability.
+      redis.call('APPEND', req .. LOGPROBS, string.rep('00000000', count))
+      wrote(req .. LOGPROBS)
+    end
   end
   turns[#turns + 1] = {n, n + count, ARGV[10], ARGV[11]}  -- start, end, call id, text
   n = n + count
