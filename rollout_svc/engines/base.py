@@ -20,10 +20,19 @@ Contract every engine keeps:
   puts there the ``eos_token_id`` of the loaded model's ``generation_config.json``
   (:func:`generation_eos_ids`; chat models list their end-of-turn token there beside the
   tokenizer's EOS), so a chat model's turn ends where the model ends it.
+* **Behaviour log-probs.** Each sampled token's event carries ``logprob``: the log-probability
+  of that token under the distribution the engine drew it from, ``log_softmax(logits * s)``
+  with ``s = 1 / temperature``, the scaling the trainer scores with
+  (``trainer_svc.learn.algorithms.logprobs.logit_scale``). Greedy decoding (temperature 0) has
+  ``s = 1``: the argmax token's log-prob under the model's own distribution, never the 0 of a
+  point mass, as the trainer scores greedy responses at T = 1. It is the value off-policy
+  corrections take as the behaviour policy's, so it is computed from the very logits the token
+  was drawn from, not re-scored later. ``None`` means the engine does not know it.
 * **Already finished on arrival.** A request whose committed tokens end in EOS or fill the
   budget generates nothing: its only event re-states the last committed token with
   ``finished=True``, so the caller learns it is complete (the manager drops the token itself
-  as a duplicate of a committed one).
+  as a duplicate of a committed one). That event's ``logprob`` is ``None``: nothing was sampled,
+  and the committed token's log-prob was reported, and committed, where it was.
 * **On-policy.** ``add`` refuses a request whose ``weight_version`` is not the loaded one, and
   ``load`` refuses to swap weights under queued or active work: drain (or finish) first.
 * **Abort is final.** After ``abort(id)`` returns, no event for that id comes out of ``step()``
@@ -67,6 +76,8 @@ class TokenEvent:
     position: int  # index in the response (0-based, committed tokens count)
     finished: bool  # True on the response's last token
     finish_reason: FinishReason | None  # "stop" (EOS, included as this token) | "length"
+    # Behaviour log-prob of token_id where it was sampled (module doc); None: not sampled here.
+    logprob: float | None = None
 
 
 class EngineError(RlboostError):

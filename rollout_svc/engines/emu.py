@@ -12,6 +12,13 @@ nothing about NATS; it's purely token id sequences.
 * Token at position ``pos``: ``int(u * 1e9 + weight_version * 7919) % (vocab_size - 3) + 3``
   with ``u = uniform(seed, step, prompt, sample, pos)`` (ids 0..2 stay free for pad/bos/eos),
   nudged off ``eos_token_id`` so EOS only ever appears where the length model puts it.
+* Behaviour log-prob of the token at ``pos``: ``log1p(-v)`` with ``v`` a 53-bit blake2b draw
+  keyed by (seed, step, prompt, sample, pos, token, weight_version) (:meth:`EmuEngine.logprob_at`):
+  a pure function of the request, the position and the token, so it is the same in every
+  process and on every instance a response migrates to, and it changes with the weights as a
+  real behaviour policy's does. Distributed as ``-Exp(1)`` (mean -1 nat, finite: at least
+  ``log(2**-53)``, about -36.7; 0.0 only for ``v = 0``, a token that was certain). It does not
+  depend on the temperature, as emu tokens do not: it is a stand-in, not a softmax.
 * Length: lognormal (long-tailed, like reasoning RL: most responses short, a few run into the
   budget), keyed by ``uniform(seed, step, prompt, sample, -1 - weight_version)`` so it never
   shares a draw with a token and changes with the weights. A length L within the budget ends
@@ -37,7 +44,10 @@ nothing about NATS; it's purely token id sequences.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
+import struct
 import threading
 import time
 from collections import deque
@@ -93,6 +103,11 @@ LOAD_S = 4.0
 MEAN_LEN_FRAC = 0.25
 LEN_SIGMA = 1.0
 
+
+# The log-prob draw's key and its hash's personalisation, so it shares no digest with
+# shared.sampling.uniform's token and length draws.
+_LOGPROB_KEY = struct.Struct("<qqqqqqq")
+_LOGPROB_PERSON = b"rlboost-emu-lp"
 
 HOST_LOG_STEPS = 200
 # How long a hung engine's step() waits before it returns nothing: the service's loop calls it
@@ -199,6 +214,16 @@ class EmuEngine:
         return token
 
     @staticmethod
+    def logprob_at(req: GenRequest, position: int, token: int) -> float:
+        """The behaviour log-prob reported for ``token`` at ``position`` (module doc)."""
+        digest = hashlib.blake2b(
+            _LOGPROB_KEY.pack(req.seed, req.step, req.prompt_index, req.sample_index, position,
+                              token, req.weight_version),
+            digest_size=8, person=_LOGPROB_PERSON).digest()
+        v = (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+        return math.log1p(-v)
+
+    @staticmethod
     def turn_start(req: GenRequest) -> int:
         """Where the request's current model turn starts: after the last observation among its
         committed ids (0: the first turn, or a single-turn response)."""
@@ -220,11 +245,12 @@ class EmuEngine:
     def event_at(self, req: GenRequest, position: int, length: int) -> TokenEvent:
         """The event at ``position`` of a response whose natural length is ``length``."""
         if position == length - 1 and length <= req.max_new_tokens:
-            return TokenEvent(req.request_id, req.eos_token_id, position, True, "stop")
+            return TokenEvent(req.request_id, req.eos_token_id, position, True, "stop",
+                              logprob=self.logprob_at(req, position, req.eos_token_id))
         reason: FinishReason | None = "length" if position + 1 >= req.max_new_tokens else None
-        return TokenEvent(
-            req.request_id, self.token_at(req, position), position, reason is not None, reason
-        )
+        token = self.token_at(req, position)
+        return TokenEvent(req.request_id, token, position, reason is not None, reason,
+                          logprob=self.logprob_at(req, position, token))
 
     def expected_tokens(self, req: GenRequest) -> list[int]:
         """The full response (from position 0) a fault-free run produces."""

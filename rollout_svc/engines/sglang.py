@@ -22,6 +22,23 @@ one it starts itself (``python -m sglang.launch_server`` on a free loopback port
   (server gone, a 4xx, an error frame) after a few resumed retries raises it from ``step()``,
   which takes the instance down so its leases go back to the manager.
 
+* **Behaviour log-probs.** Every ``/generate`` asks ``return_logprob``; SGLang answers in
+  ``meta_info.output_token_logprobs``, one ``[logprob, token_id, text]`` per output token of the
+  stream so far (``text`` is null without a tokenizer), cumulative in every frame: the tokenizer
+  manager extends its per-request lists with each batch and re-states them whole, with
+  incremental streaming too. The event at output index k takes entry k, where its token id
+  agrees; otherwise (a server that omits them) ``logprob`` is None. What SGLang reports is the
+  trainer's convention (base contract), read in ``python/sglang/srt/layers/sampler.py``: a
+  sampled token's log-prob is taken in the ``Sampler`` from ``softmax(logits / T)``, the
+  distribution it draws from (since sgl-project/sglang#2664, "return the real logprob used in
+  sampling"; top-p renormalisation would enter it too, which is why this engine sends
+  ``top_p = 1``), in float32 with -inf clamped to the dtype's minimum; a greedy request
+  (``sampling_params.py`` turns T = 0 into T = 1 with ``top_k = 1``) gets
+  ``log_softmax(logits)``, the model's own distribution, as the trainer's ``logit_scale(0) = 1``
+  scores it. One exception: with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` set (sgl-project/sglang#8375)
+  the server reports pre-temperature log-probs, which are not the behaviour policy's at T != 1,
+  so a server this engine starts never inherits that variable; an attached one must not set it.
+
 **Determinism is not exact with SGLang**: the server samples with its own RNG on the GPU, not
 with rlboost's keyed draws, so a migrated response continues on-policy (same weights, same
 committed prefix) but not with the tokens an unmoved one would have drawn. Invariants 1-4 hold;
@@ -72,6 +89,8 @@ log = logging.getLogger(__name__)
 LAUNCH_CMD: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
 STEP_WAIT_S = 0.05  # step() blocks this long for a token rather than spin the worker thread
 STREAM_RETRIES = 3  # resumed re-sends of a stream that broke before its end
+# Make SGLang report pre-temperature log-probs (module doc): never passed to a server started here.
+ORIGINAL_LOGPROB_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB")
 
 
 class _StreamError(Exception):
@@ -173,7 +192,11 @@ class SGLangEngine:
         log.info("starting the SGLang server: %s", " ".join(argv))
         # Its output goes to ours (the instance's log); its own session, so close() can take
         # down the whole process tree SGLang spawns (scheduler, detokenizer).
-        self._owned = subprocess.Popen(argv, start_new_session=True)
+        env = {k: v for k, v in os.environ.items() if k not in ORIGINAL_LOGPROB_ENV}
+        if len(env) < len(os.environ):
+            log.warning("not passing %s to the SGLang server: its log-probs must be those of "
+                        "the tempered distribution it samples", "/".join(ORIGINAL_LOGPROB_ENV))
+        self._owned = subprocess.Popen(argv, start_new_session=True, env=env)
         self.url = f"http://127.0.0.1:{port}"
 
     def _wait_healthy(self) -> None:
@@ -317,10 +340,10 @@ class SGLangEngine:
             before = position
             try:
                 async with contextlib.aclosing(self._generate(rid, tokens, req, position)) as gen:
-                    async for token in gen:
+                    async for token, logprob in gen:
                         reason = finish_reason(req, token, position)
                         event = TokenEvent(req.request_id, token, position, reason is not None,
-                                           reason)
+                                           reason, logprob=logprob)
                         if not self._emit(ticket, event) or reason is not None:
                             return
                         tokens.append(token)
@@ -357,13 +380,14 @@ class SGLangEngine:
             self._ready.notify_all()
 
     async def _generate(self, rid: str, tokens: list[int], req: GenRequest, position: int
-                        ) -> AsyncGenerator[int, None]:
-        """The new output token ids of one streamed /generate, in order."""
+                        ) -> AsyncGenerator[tuple[int, float | None], None]:
+        """The new output token ids of one streamed /generate, in order, with their log-probs."""
         stops = sorted({req.eos_token_id, *req.stop_token_ids})
         body = {
             "rid": rid,
             "input_ids": tokens,
             "stream": True,
+            "return_logprob": True,  # output tokens only: logprob_start_len stays -1
             "sampling_params": {
                 "max_new_tokens": req.max_new_tokens - position,
                 "temperature": req.temperature,
@@ -377,6 +401,7 @@ class SGLangEngine:
         }
         seen = 0
         last_reason: Any = None
+        logprobs: Any = None  # the last frame's output_token_logprobs
         async with self._http().stream("POST", "/generate", json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:300]
@@ -396,16 +421,30 @@ class SGLangEngine:
                 # Cumulative or incremental frames alike end at completion_tokens.
                 total = int(meta.get("completion_tokens", seen + len(ids)))
                 fresh = ids[max(0, len(ids) - (total - seen)):] if total > seen else []
+                logprobs = meta.get("output_token_logprobs")
+                for k, token in enumerate(fresh, start=total - len(fresh)):
+                    yield int(token), output_logprob(logprobs, k, int(token))
                 seen = total
-                for token in fresh:
-                    yield int(token)
                 last_reason = meta.get("finish_reason")
                 if isinstance(last_reason, dict) and last_reason.get("type") == "abort":
                     raise _StreamError(f"aborted by the server: {last_reason}", retryable=True)
         # A server that trims the matched stop token from output_ids still says so here.
         if isinstance(last_reason, dict) and last_reason.get("type") == "stop" \
                 and last_reason.get("matched") in stops:
-            yield int(last_reason["matched"])
+            matched = int(last_reason["matched"])
+            yield matched, output_logprob(logprobs, seen, matched)
+
+
+def output_logprob(entries: Any, index: int, token: int) -> float | None:
+    """Entry ``index`` of ``meta_info.output_token_logprobs`` if it is ``token``'s, else None."""
+    if not isinstance(entries, list) or not 0 <= index < len(entries):
+        return None
+    entry = entries[index]
+    if not isinstance(entry, list) or len(entry) < 2 or entry[1] != token:
+        return None
+    value = entry[0]
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else None
 
 
 def _json(resp: httpx.Response) -> dict[str, Any]:

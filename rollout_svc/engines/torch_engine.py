@@ -12,6 +12,9 @@ that finishes or is aborted stays in the batch as padding, emitting nothing, unt
 wave is done; requests added meanwhile wait for the next wave. Continuous batching would need
 per-row cache surgery, which a CPU engine for small models does not earn.
 
+Each event carries the token's behaviour log-prob (base contract), ``log_softmax(logits * s)``
+of the very logits the token was drawn from, in float32 as the trainer scores it.
+
 The draw, the prefill and the decode step are :mod:`shared.generation`'s, the one sampler the
 trainer's eval and self-checks run too; this module schedules them and keeps the requests.
 """
@@ -208,21 +211,44 @@ class TorchEngine:
     def _sample(self, logits: torch.Tensor) -> list[TokenEvent]:
         wave = self._wave
         assert wave is not None
+        live = [i for i, row in enumerate(wave.rows) if not row.done]  # the rest is padding
+        tokens = [
+            sample_token(logits[i], wave.rows[i].req.temperature, wave.rows[i].key,
+                         wave.rows[i].position)
+            for i in live
+        ]
+        logprobs = behaviour_logprobs(
+            logits[live], [wave.rows[i].req.temperature for i in live], tokens)
         events: list[TokenEvent] = []
-        for i, row in enumerate(wave.rows):
-            if row.done:
-                continue  # padding: its logits are computed and ignored
-            token = sample_token(logits[i], row.req.temperature, row.key, row.position)
+        for i, token, logprob in zip(live, tokens, logprobs, strict=True):
+            row = wave.rows[i]
             reason = finish_reason(row.req, token, row.position)
-            events.append(
-                TokenEvent(row.req.request_id, token, row.position, reason is not None, reason)
-            )
+            events.append(TokenEvent(row.req.request_id, token, row.position,
+                                     reason is not None, reason, logprob=logprob))
             wave.batch.last[i] = token
             row.position += 1
             row.done = reason is not None
         if all(r.done for r in wave.rows):
             self._wave = None
         return events
+
+
+def behaviour_logprobs(logits: torch.Tensor, temperatures: list[float], tokens: list[int]
+                       ) -> list[float]:
+    """Each row's ``log_softmax(logits * s)[token]`` in float32, ``s = 1 / T`` (1 for greedy).
+
+    The trainer's scaling (``trainer_svc.learn.algorithms.logprobs.logit_scale``, restated here
+    because services never import each other) and precision: half-precision logits are upcast
+    before the softmax, as the trainer upcasts them. One log_softmax over the rows, one value
+    gathered from each.
+    """
+    if not tokens:
+        return []
+    scales = torch.tensor([1.0 if t == 0 else 1.0 / t for t in temperatures],
+                          dtype=torch.float32, device=logits.device)
+    logp = torch.log_softmax(logits.float() * scales[:, None], dim=-1)
+    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
+    return [float(v) for v in logp.gather(-1, index)[:, 0].tolist()]
 
 
 def _key(req: GenRequest) -> DrawKey:

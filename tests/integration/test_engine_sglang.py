@@ -22,9 +22,9 @@ import httpx
 import pytest
 
 from rollout_svc.engines import EngineError, GenRequest, TokenEvent
-from rollout_svc.engines.sglang import SGLangEngine
+from rollout_svc.engines.sglang import SGLangEngine, output_logprob
 from shared.ports import free_port, wait_port
-from tests.support.sglang_standin import VOCAB
+from tests.support.sglang_standin import VOCAB, standin_logprob
 from trainer_svc.embedded.tiny_chat import train_tokenizer
 from trainer_svc.inputs.chat import ChatFormat
 
@@ -98,6 +98,11 @@ def run_all(eng: SGLangEngine, timeout_s: float = 10.0) -> dict[str, list[TokenE
     return out
 
 
+def check_logprobs(events: list[TokenEvent]) -> None:
+    """Each event carries the server's log-prob of its own token (none may be missing)."""
+    assert [e.logprob for e in events] == [standin_logprob(e.token_id) for e in events]
+
+
 def check_streams(engine: SGLangEngine) -> None:
     engine.add(req("a", [7, 10]))  # 11..18: the budget ends it
     engine.add(req("b", [45], budget=20))  # 46..49, 0, 1, 2: EOS ends it
@@ -109,6 +114,8 @@ def check_streams(engine: SGLangEngine) -> None:
     assert [e.token_id for e in b] == [46, 47, 48, 49, 0, 1, 2]
     assert b[-1].finished and b[-1].finish_reason == "stop"
     assert not any(e.finished for e in b[:-1])
+    check_logprobs(a)
+    check_logprobs(b)
 
 
 def test_streams_token_events_with_positions_and_finish_reasons(engine: SGLangEngine) -> None:
@@ -124,7 +131,9 @@ def test_streams_incremental_frames_the_same_way(tmp_path: Path) -> None:
         eng.load(tmp_path / "v0", "run", 0)
         check_streams(eng)
         eng.add(req("r", [7, 10], committed=[11, 12, 13], budget=8))
-        assert [e.token_id for e in run_all(eng)["r"]] == [14, 15, 16, 17, 18]
+        resumed = run_all(eng)["r"]
+        assert [e.token_id for e in resumed] == [14, 15, 16, 17, 18]
+        check_logprobs(resumed)
     finally:
         eng.close()
         proc.terminate()
@@ -137,12 +146,14 @@ def test_resume_sends_prompt_plus_committed_and_remaining_budget(
     events = run_all(engine)["r"]
     assert [(e.position, e.token_id) for e in events] == [(3, 14), (4, 15), (5, 16), (6, 17),
                                                           (7, 18)]
+    check_logprobs(events)  # the stream's first output token is position 3's
     sent = calls(standin[0], "/generate")
     assert len(sent) == 1
     assert sent[0]["input_ids"] == [7, 10, 11, 12, 13]
     assert sent[0]["sampling_params"]["max_new_tokens"] == 5
     assert sent[0]["sampling_params"]["stop_token_ids"] == [EOS]
     assert sent[0]["stream"] is True and sent[0]["rid"].startswith("r.")
+    assert sent[0]["return_logprob"] is True and "logprob_start_len" not in sent[0]
 
 
 def test_every_generation_config_eos_is_a_stop_token(
@@ -248,7 +259,18 @@ def test_a_transient_failure_resumes_the_stream(engine: SGLangEngine,
                                                 standin: tuple[str, Path]) -> None:
     httpx.post(f"{standin[0]}/_standin/fail", json={"status": 503, "count": 1})
     engine.add(req("t", [7, 10]))
-    assert [e.token_id for e in run_all(engine)["t"]] == list(range(11, 19))
+    events = run_all(engine)["t"]
+    assert [e.token_id for e in events] == list(range(11, 19))
+    check_logprobs(events)
+
+
+def test_a_logprob_entry_counts_only_for_its_own_token() -> None:
+    entries = [[-0.5, 11, None], [-0.25, 12, "x"], [None, 13, None], [-1, 14]]
+    assert output_logprob(entries, 0, 11) == -0.5 and output_logprob(entries, 1, 12) == -0.25
+    assert output_logprob(entries, 3, 14) == -1.0
+    assert output_logprob(entries, 0, 12) is None  # another token's: never misattributed
+    assert output_logprob(entries, 2, 13) is None and output_logprob(entries, 4, 15) is None
+    assert output_logprob(None, 0, 11) is None  # a server that sends none
 
 
 def test_unreachable_server_is_an_engine_error(tmp_path: Path) -> None:
@@ -258,13 +280,18 @@ def test_unreachable_server_is_an_engine_error(tmp_path: Path) -> None:
     eng.close()
 
 
-def test_starts_its_own_server_at_first_load_and_stops_it(tmp_path: Path) -> None:
+def test_starts_its_own_server_at_first_load_and_stops_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Set here, it would make the server report pre-temperature log-probs: it must not pass.
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     launch = (sys.executable, "-m", "tests.support.sglang_standin")
     eng = SGLangEngine(launch_cmd=launch, start_timeout_s=30)
     eng.load(model_dir(tmp_path, "v0", 0), "run", 0)
     assert eng.url is not None and eng._owned is not None
     eng.add(req("s", [7, 10], budget=3))
-    assert [e.token_id for e in run_all(eng)["s"]] == [11, 12, 13]
+    events = run_all(eng)["s"]
+    assert [e.token_id for e in events] == [11, 12, 13]
+    check_logprobs(events)
     proc = eng._owned
     eng.close()
     assert proc.poll() is not None, "close() must stop the server it started"

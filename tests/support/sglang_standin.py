@@ -11,13 +11,18 @@ It follows SGLang's documented native API as read in sgl-project/sglang:
 the tokenizer manager's output processing (``output_ids`` cumulative per frame, or only the new
 ones with ``--incremental-streaming-output``; ``meta_info`` with ``id``, ``finish_reason``
 ``{"type": "stop", "matched": id}`` / ``{"type": "length", "length": n}`` / ``{"type": "abort"}``,
-``prompt_tokens``, ``completion_tokens``, ``weight_version``) and
+``prompt_tokens``, ``completion_tokens``, ``weight_version``; with ``return_logprob``,
+``output_token_logprobs``: a ``[logprob, token_id, text]`` triple per output token so far, ``text``
+null without a tokenizer, re-stated whole in every frame, incremental streaming or not, as the
+tokenizer manager's ``add_logprob_to_meta_info`` does) and
 ``docs/basic_usage/sampling_params.md`` (sampling parameter names). Unknown request fields are
 refused with 400, as SGLang's dataclass validation does, so a misspelt field fails a test.
 
 The "model" is deterministic: next token = (last input or output token + 1 + shift) % VOCAB,
 where ``shift`` is ``standin_shift`` in the model directory's ``config.json`` — so a test sees
-which weights generated a token. Generation stops at a stop token (EOS included in
+which weights generated a token; its reported log-prob is :func:`standin_logprob` of the token,
+shifted as SGLang's pre-temperature value would differ when the server runs with
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` set. Generation stops at a stop token (EOS included in
 ``output_ids``, as SGLang does): one of the request's ``stop_token_ids`` or, as SGLang's
 scheduler adds the model's own, an ``eos_token_id`` of the model directory's
 ``generation_config.json``; or at ``max_new_tokens``.
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -63,6 +69,7 @@ class State:
     incremental: bool
     token_delay_s: float
     shift: int = 0
+    original_logprob: bool = False  # SGLANG_RETURN_ORIGINAL_LOGPROB was set
     weight_version: str = "default"
     paused: bool = False
     calls: list[dict[str, Any]] = field(default_factory=list)
@@ -70,6 +77,12 @@ class State:
     aborted: set[str] = field(default_factory=set)
     fail_status: int = 0
     fail_count: int = 0
+
+
+def standin_logprob(token: int, original: bool = False) -> float:
+    """The log-prob the stand-in reports for ``token``: made up, distinct per token mod 5;
+    ``original``: the pre-temperature one SGLANG_RETURN_ORIGINAL_LOGPROB asks for."""
+    return -(1 + token % 5) / 8 - (1.0 if original else 0.0)
 
 
 def model_eos(model_path: str) -> set[int]:
@@ -130,7 +143,7 @@ def create_app(state: State) -> FastAPI:
         budget = int(params.get("max_new_tokens", 128))
         if budget < 1:
             return _bad("max_new_tokens must be positive")
-        frames = _frames(state, rid, list(ids), budget, stops)
+        frames = _frames(state, rid, list(ids), budget, stops, bool(body.get("return_logprob")))
         if body.get("stream"):
             return StreamingResponse(_sse(frames), media_type="text/event-stream")
         last: dict[str, Any] = {}
@@ -202,8 +215,8 @@ def create_app(state: State) -> FastAPI:
     return app
 
 
-async def _frames(state: State, rid: str, ids: list[int], budget: int, stops: set[int]
-                  ) -> AsyncIterator[dict[str, Any]]:
+async def _frames(state: State, rid: str, ids: list[int], budget: int, stops: set[int],
+                  logprobs: bool) -> AsyncIterator[dict[str, Any]]:
     state.running.add(rid)
     out: list[int] = []
     try:
@@ -221,8 +234,13 @@ async def _frames(state: State, rid: str, ids: list[int], budget: int, stops: se
                 last = token
                 reason = {"type": "stop", "matched": token} if token in stops else \
                     {"type": "length", "length": budget} if len(out) >= budget else None
-            meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(ids),
-                    "completion_tokens": len(out), "weight_version": state.weight_version}
+            meta: dict[str, Any] = {
+                "id": rid, "finish_reason": reason, "prompt_tokens": len(ids),
+                "completion_tokens": len(out), "weight_version": state.weight_version}
+            if logprobs:
+                meta["input_token_logprobs"] = []  # logprob_start_len -1: output tokens only
+                meta["output_token_logprobs"] = [
+                    [standin_logprob(t, state.original_logprob), t, None] for t in out]
             fresh = [token] if state.incremental and token is not None else \
                 [] if state.incremental else list(out)
             yield {"output_ids": fresh, "meta_info": meta}
@@ -246,8 +264,9 @@ def main() -> None:
     parser.add_argument("--incremental-streaming-output", action="store_true")
     parser.add_argument("--token-delay-s", type=float, default=0.002)  # stand-in only
     args, _ = parser.parse_known_args()  # SGLang flags the stand-in has no use for
+    original = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true")
     state = State(args.model_path, args.incremental_streaming_output, args.token_delay_s,
-                  shift=read_shift(args.model_path))
+                  shift=read_shift(args.model_path), original_logprob=original)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning")
 
 

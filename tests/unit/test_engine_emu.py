@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +90,55 @@ def test_resume_from_any_committed_prefix() -> None:
             else:
                 assert _tokens(events) == full[k:]
                 assert events[0].position == k
+
+
+def _run_all(engine: EmuEngine, req: GenRequest) -> list[TokenEvent]:
+    engine.add(req)
+    events: list[TokenEvent] = []
+    while engine.has_work():
+        events += engine.step()
+    return events
+
+
+def test_logprobs_are_a_pure_function_of_key_position_and_token() -> None:
+    engine = _engine()
+    full = {p: _run_all(engine, _req(p)) for p in range(6)}
+    values = [e.logprob for events in full.values() for e in events]
+    assert all(v is not None and math.isfinite(v) and -37.0 < v < 0.0 for v in values)
+    assert len(set(values)) == len(values)  # not a constant: one draw per (position, token)
+    assert -1.5 < statistics.mean(v for v in values if v is not None) < -0.5  # -Exp(1)
+    assert full[0][-1].token_id == EOS and full[0][-1].logprob is not None  # EOS has one too
+    # A migrated response: another instance resumes from any committed prefix and reports the
+    # same log-prob at every position; the already-finished closing event reports none.
+    other = _engine()
+    for p, events in full.items():
+        ids = _tokens(events)
+        for k in range(1, len(ids) + 1):
+            moved = _run_all(other, _req(p, committed=ids[:k], request_id=f"p{p}@{k}"))
+            if k == len(ids):
+                assert [e.logprob for e in moved] == [None]
+            else:
+                assert [e.logprob for e in moved] == [e.logprob for e in events[k:]]
+    # The weights, the position and the token each change it.
+    req = _req(0)
+    base = EmuEngine.logprob_at(req, 3, 17)
+    assert base != EmuEngine.logprob_at(_req(0, weight_version=2), 3, 17)
+    assert base != EmuEngine.logprob_at(req, 4, 17) and base != EmuEngine.logprob_at(req, 3, 18)
+
+
+def test_logprobs_are_the_same_in_another_process() -> None:
+    """No per-process salt (Python's hash() is one, under PYTHONHASHSEED)."""
+    here = [EmuEngine.logprob_at(_req(p, s), pos, 100 + pos)
+            for p in range(3) for s in range(2) for pos in (0, 7)]
+    code = (
+        "import json, sys; from rollout_svc.engines import GenRequest;"
+        "from rollout_svc.engines.emu import EmuEngine;"
+        "print(json.dumps([EmuEngine.logprob_at(GenRequest(f'p{p}s{s}', [5], [], 64, 1.0, 3, 1,"
+        " p, s, 2, 1), pos, 100 + pos) for p in range(3) for s in range(2) for pos in (0, 7)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONHASHSEED": "12345"}, cwd=Path(__file__).parents[2])
+    assert json.loads(out.stdout) == here
 
 
 def test_lengths_are_long_tailed() -> None:

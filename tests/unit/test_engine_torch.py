@@ -19,7 +19,7 @@ from rollout_svc.engines import (
     torch_engine,
 )
 from rollout_svc.engines.torch_engine import TorchEngine
-from shared.generation import DrawKey
+from shared.generation import DrawKey, generate
 
 VOCAB = 16
 EOS = 15
@@ -161,6 +161,49 @@ def test_cached_batched_logits_equal_unbatched_full_forward(
                 )
                 checked += 1
     assert checked == len(seen) and checked > 10
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 0.0])
+def test_each_event_carries_the_logprob_of_its_sampling_distribution(
+    model_dirs: tuple[Path, ...], temperature: float
+) -> None:
+    """Every token's logprob is log_softmax(logits * s)[token] with s = 1/T (1 when greedy), as
+    the trainer scores it: checked against a float64 teacher-forced forward of the whole
+    prompt + response. Tolerance 1e-4: the existing check above holds the engine's cached,
+    batched logits within 1e-5 of the full forward's; log_softmax moves by at most twice the
+    largest logit change times s (<= 2 here), and float32 rounding adds ~1e-6 at these
+    magnitudes. A wrong scale (1/T at T=0.5 is 2x) or a neighbour's token is off by >> 1e-2."""
+    reqs = [_req(i, max_new_tokens=10, temperature=temperature) for i in range(5)]
+    reqs[2].committed_token_ids = [3, 4, 5]  # resumed: positions start at 3
+    engine = _engine(model_dirs[0], max_batch=3)  # two waves
+    out = _run(engine, reqs)
+    model = engine._model
+    scale = 1.0 if temperature == 0 else 1.0 / temperature
+    checked, wrong_scale = 0, 0.0
+    with torch.inference_mode():
+        for req in reqs:
+            events = out[req.request_id]
+            response = req.committed_token_ids + _tokens(events)
+            ids = torch.tensor([req.prompt_token_ids + response])
+            logits = model(input_ids=ids).logits[0, :-1].double()
+            expected = torch.log_softmax(logits * scale, dim=-1).gather(-1, ids[0, 1:, None])
+            unscaled = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])
+            start = len(req.prompt_token_ids) - 1
+            for event in events:
+                assert event.logprob is not None and event.logprob <= 0.0
+                at = start + event.position
+                assert abs(event.logprob - float(expected[at])) <= 1e-4, (req, event)
+                wrong_scale = max(wrong_scale, abs(event.logprob - float(unscaled[at])))
+                checked += 1
+            if not req.committed_token_ids:
+                # The draws are unchanged: the trainer's sampler gives the same ids.
+                key = DrawKey(req.seed, req.step, req.prompt_index, req.sample_index)
+                again = generate(model, [req.prompt_token_ids], req.max_new_tokens, temperature,
+                                 {EOS}, [key])[0]
+                assert _tokens(events) == again
+    assert checked > 20
+    # The tolerance tells the scale apart: unscaled log-probs would be far off it.
+    assert scale == 1.0 or wrong_scale > 1e-2
 
 
 def test_abort_stops_events_for_that_request(model_dirs: tuple[Path, ...]) -> None:
