@@ -40,6 +40,7 @@ from rlboost.stack import Stack
 from rollout_svc.engines import GenRequest
 from rollout_svc.engines.emu import DECODE_S_BASE, DECODE_S_PER_SEQ, EmuEngine
 from shared.ports import wait_port
+from shared.protocol import pack_logprobs, unpack_logprobs
 from shared.spec import RunSpec
 from tests.support.chaos import Injector
 from tests.support.cluster import start_cluster, wait_run
@@ -61,14 +62,26 @@ FAST = {
 REWARD = EmuPolicy(PRESETS["emu"], Path("/nonexistent"), 0.0).reward
 
 
-def oracle(spec: dict[str, Any], sample: dict[str, Any], step: int) -> list[int]:
-    """The response a fault-free emu instance generates for this sample."""
+def oracle_request(spec: dict[str, Any], sample: dict[str, Any], step: int) -> GenRequest:
     run = msgspec.convert(spec, RunSpec)
-    return EmuEngine(time_scale=0.0).expected_tokens(GenRequest(
+    return GenRequest(
         request_id="", prompt_token_ids=sample["prompt_token_ids"], committed_token_ids=[],
         max_new_tokens=run.max_new_tokens, temperature=1.0, seed=run.seed, step=step,
         prompt_index=sample["prompt_index"], sample_index=sample["sample_index"],
-        eos_token_id=2, weight_version=step))
+        eos_token_id=2, weight_version=step)
+
+
+def oracle(spec: dict[str, Any], sample: dict[str, Any], step: int) -> list[int]:
+    """The response a fault-free emu instance generates for this sample."""
+    return EmuEngine(time_scale=0.0).expected_tokens(oracle_request(spec, sample, step))
+
+
+def oracle_logprobs(spec: dict[str, Any], sample: dict[str, Any], step: int) -> list[float]:
+    """The behaviour log-probs its emu instances report for this sample's tokens, as float32
+    carries them: committed once each, whichever instance sampled which token."""
+    req = oracle_request(spec, sample, step)
+    return unpack_logprobs(pack_logprobs([
+        EmuEngine.logprob_at(req, i, t) for i, t in enumerate(sample["response_token_ids"])]))
 
 
 # A link heal must see the run move again within this: a lease expires, then its work is
@@ -194,6 +207,7 @@ def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack,
                     assert tokens == reference[(s["prompt_index"], s["sample_index"])][
                         "response_token_ids"]
                     assert tokens == oracle(SPEC, s, step)
+                    assert s["behaviour_logprobs"] == oracle_logprobs(SPEC, s, step)
             for record in step_records(client, faulted_id):
                 totals.update({k: record[k] for k in (
                     "migrations", "preemptions", "stale_chunks_rejected", "tokens_regenerated",
