@@ -48,7 +48,28 @@ Where each default comes from (section and equation numbers of the papers' arXiv
   uses exactly these values, citing §5.1.
 
 ``kl_estimator`` defaults to ``k3`` everywhere (DeepSeekMath's estimator, veRL's
-``low_var_kl``); it matters only when ``kl_coef`` > 0.
+``low_var_kl``); it matters only when ``kl_coef`` > 0. There the KL is a loss term: the trainer
+differentiates each sampled token's estimate with the sample held fixed, so what matters is the
+divergence the estimator's *gradient* follows, not the one its value estimates (Tang & Munos
+2025, "On a few pitfalls in KL divergence gradient estimation for RL", arXiv 2506.09477; Shah
+et al. 2025, "A Comedy of Estimators", arXiv 2512.21852). Per token, in expectation over the
+token ``y ~ pi(.|prefix)`` with the prefix fixed, ``d = log pi(y) - log pi_ref(y)``, and sums
+over the vocabulary:
+
+- ``k1 = d``: ``E[grad d] = sum_y pi grad log pi = grad sum_y pi = 0``. Its value is unbiased
+  for KL(pi || pi_ref), but as a loss term it only adds noise, so ``k1`` with ``kl_coef`` > 0 is
+  refused. (In the *reward*, where RLOO's and REINFORCE++'s papers put it, k1 is the right
+  estimator; rlboost has no KL in the reward.)
+- ``k2 = d^2 / 2``: ``E[d grad log pi] = sum_y d grad pi = grad KL(pi || pi_ref)`` (the term
+  ``sum_y pi grad log pi`` of the exact gradient is 0): the reverse KL, the one the RL
+  objective names.
+- ``k3 = exp(-d) + d - 1``: ``E[(1 - pi_ref / pi) grad log pi] = -sum_y pi_ref grad log pi =
+  grad KL(pi_ref || pi)``: the forward KL, although its value estimates the reverse one.
+
+Summed over a response these are per-token gradients: how a token changes the prefixes of the
+tokens after it is left out, so none is the gradient of the sequence-level KL (Tang & Munos).
+tests/unit/test_algorithms_objective.py checks the three identities exactly on a categorical
+policy.
 """
 
 from __future__ import annotations
@@ -209,6 +230,11 @@ class AlgorithmConfig:
             raise AlgorithmConfigError("updates_per_step", "must be at least 1")
         if self.minibatches < 1:
             raise AlgorithmConfigError("minibatches", "must be at least 1")
+        if self.kl_coef > 0.0 and self.kl_estimator is KlEstimator.K1:
+            raise AlgorithmConfigError(
+                "kl_estimator", "k1 as a loss term (kl_coef > 0) has zero expected gradient "
+                "(E[grad log pi] = 0) and regularises nothing; use k2 (its gradient is that of "
+                "KL(pi || ref)) or k3 (that of KL(ref || pi))")
 
     @classmethod
     def for_algorithm(cls, algorithm: str | Algorithm = Algorithm.GRPO,

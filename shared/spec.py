@@ -99,7 +99,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
                       "seq_mean_token_sum_norm"] | None = None  # per-token losses -> step loss
     kl_coef: float | None = None  # KL(pi || initial policy) loss weight; > 0 loads a reference
-    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None  # k1 with kl_coef > 0 is refused
     entropy_coef: float | None = None  # entropy bonus weight
     overlong_buffer: int | None = None  # DAPO: tokens before max_new_tokens where a penalty ramps
     updates_per_step: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None  # passes per step

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shared.algorithm import (
@@ -14,6 +16,9 @@ from shared.algorithm import (
     LossAgg,
     PolicyLoss,
 )
+from shared.errors import ProtocolError
+from shared.protocol import decode
+from shared.spec import RunSpec
 
 # (clip low, clip high, loss_agg, overlong buffer, minibatches, dynamic sampling), from the
 # sources the config module cites.
@@ -115,3 +120,21 @@ def test_for_run_scales_unset_size_defaults_and_checks_set_ones() -> None:
     with pytest.raises(AlgorithmConfigError) as info:
         AlgorithmConfig.for_run({"minibatches": 3}, max_new_tokens=8, groups_per_step=2)
     assert info.value.field == "minibatches"
+
+
+def _decode(body: dict[str, object]) -> RunSpec:
+    return decode(json.dumps(body).encode(), RunSpec)
+
+
+def test_k1_is_refused_as_a_loss_term_only() -> None:
+    """Its gradient as a loss term is zero in expectation (module doc): a kl_coef it ignores."""
+    with pytest.raises(AlgorithmConfigError) as info:
+        AlgorithmConfig.for_algorithm("grpo", kl_coef=0.1, kl_estimator="k1")
+    assert info.value.field == "kl_estimator" and "zero expected gradient" in info.value.detail
+    with pytest.raises(AlgorithmConfigError):
+        AlgorithmConfig.for_algorithm("rloo", kl_estimator="k1").with_(kl_coef=0.01)
+    assert AlgorithmConfig.for_algorithm("grpo", kl_estimator="k1").kl_coef == 0.0
+    for other in ("k2", "k3"):
+        assert AlgorithmConfig.for_algorithm("grpo", kl_coef=0.1, kl_estimator=other).kl_coef
+    with pytest.raises(ProtocolError, match="kl_estimator"):  # a 422 at submit
+        _decode({"kl_coef": 0.1, "kl_estimator": "k1"})

@@ -200,3 +200,31 @@ def _grad(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(t)
     assert t.grad is not None
     return t.grad
+
+
+# --- which divergence each KL estimator's gradient follows ---------------------------------
+
+
+def test_each_estimators_expected_gradient_as_a_loss_term() -> None:
+    """Exactly, on a categorical policy pi = softmax(theta) sampled on-policy: the expected
+    gradient ``sum_y sg(pi(y)) grad k(y)`` (the sample's probability is not differentiated) is
+    0 for k1, grad KL(pi || ref) for k2 and grad KL(ref || pi) for k3 (shared.algorithm)."""
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.0, 2.1], dtype=torch.float64, requires_grad=True)
+    log_ref = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 0.7, 0.1],
+                                             dtype=torch.float64), 0)
+    ref = log_ref.exp()
+
+    def expected_grad(estimator: KlEstimator) -> torch.Tensor:
+        log_pi = torch.log_softmax(theta, 0)
+        k = losses.kl_estimate(log_pi, log_ref, estimator)
+        return torch.autograd.grad((log_pi.exp().detach() * k).sum(), theta)[0]
+
+    log_pi = torch.log_softmax(theta, 0)
+    reverse = torch.autograd.grad((log_pi.exp() * (log_pi - log_ref)).sum(), theta)[0]
+    log_pi = torch.log_softmax(theta, 0)
+    forward = torch.autograd.grad((ref * (log_ref - log_pi)).sum(), theta)[0]
+    torch.testing.assert_close(expected_grad(KlEstimator.K1), torch.zeros_like(theta),
+                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(expected_grad(KlEstimator.K2), reverse, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(expected_grad(KlEstimator.K3), forward, rtol=1e-12, atol=1e-15)
+    assert float((reverse - forward).abs().max()) > 0.05  # the two divergences differ here
