@@ -149,6 +149,11 @@ SCOPE: dict[Estimator, Scope] = {
     Estimator.REINFORCE_PP_BASELINE: Scope.BATCH,
 }
 
+# Estimators that compare a response with the others of its group: in a group of one every
+# advantage is 0 (reinforce_pp_baseline's too, after its whitening), so nothing would train.
+GROUP_RELATIVE: frozenset[Estimator] = frozenset({
+    Estimator.GRPO, Estimator.DR_GRPO, Estimator.RLOO, Estimator.REINFORCE_PP_BASELINE})
+
 _COMMON: dict[str, Any] = {
     "clip_ratio_low": 0.2,
     "clip_ratio_high": 0.2,
@@ -301,8 +306,8 @@ class AlgorithmConfig:
         return self.kl_coef > 0.0
 
     @classmethod
-    def for_run(cls, spec: Mapping[str, Any], *, max_new_tokens: int,
-                groups_per_step: int) -> AlgorithmConfig:
+    def for_run(cls, spec: Mapping[str, Any], *, max_new_tokens: int, groups_per_step: int,
+                samples_per_prompt: int | None = None) -> AlgorithmConfig:
         """:meth:`from_spec` with the size defaults scaled to the run (module doc), checked."""
         base = cls.from_spec(spec)
         scaled: dict[str, Any] = {}
@@ -312,11 +317,21 @@ class AlgorithmConfig:
         if spec.get("minibatches") is None:
             scaled["minibatches"] = min(base.minibatches, groups_per_step)
         cfg = base.with_(**scaled) if scaled else base
-        cfg.check_run(max_new_tokens=max_new_tokens, groups_per_step=groups_per_step)
+        cfg.check_run(max_new_tokens=max_new_tokens, groups_per_step=groups_per_step,
+                      samples_per_prompt=samples_per_prompt)
         return cfg
 
-    def check_run(self, *, max_new_tokens: int, groups_per_step: int) -> None:
-        """Raise if a knob cannot work with the run's generation budget or batch size."""
+    def check_run(self, *, max_new_tokens: int, groups_per_step: int,
+                  samples_per_prompt: int | None = None) -> None:
+        """Raise if a knob cannot work with the run's generation budget, batch or group size
+        (``samples_per_prompt`` None: not checked)."""
+        if samples_per_prompt == 1 and self.estimator in GROUP_RELATIVE:
+            raise AlgorithmConfigError(
+                "samples_per_prompt",
+                f"{self.algorithm.value} compares each response with the others of its group, "
+                "so a group of 1 gets all-zero advantages and trains nothing; use at least 2 "
+                "(or algorithm reinforce_pp, whose baseline is the whole batch)",
+            )
         if self.overlong_buffer and self.overlong_buffer >= max_new_tokens:
             # DAPO's buffer is the last 4096 of 20480 tokens; with a budget below that the
             # penalty would reach responses of every length, which is a different objective.

@@ -69,7 +69,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # 16 x 8 lift the last-5 mean reward 0.21-0.30 above the first-5 on seeds 0-5).
     steps: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 40
     prompts_per_step: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
-    samples_per_prompt: Annotated[int, msgspec.Meta(ge=1, le=512)] = 8  # group size
+    # group size; 1 only with reinforce_pp (the others compare a response with its group)
+    samples_per_prompt: Annotated[int, msgspec.Meta(ge=1, le=512)] = 8
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=32768)] = 8
     # AdamW with a 5-step linear warm-up (trainer_svc.selfcheck.grpo.DEFAULT_LEARNING_RATE,
     # tuned there)
@@ -127,7 +128,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         """The objective this run trains with: knobs, paper defaults scaled to the run."""
         cfg = AlgorithmConfig.for_run(
             {name: getattr(self, name) for name in _ALGORITHM_FIELDS},
-            max_new_tokens=self.max_new_tokens, groups_per_step=self.prompts_per_step)
+            max_new_tokens=self.max_new_tokens, groups_per_step=self.prompts_per_step,
+            samples_per_prompt=self.samples_per_prompt)
         # Only when asked, though DAPO's paper has it: it changes what a step costs (more
         # prompts generated, some responses aborted), which a user should choose knowingly.
         return cfg if self.dynamic_sampling else cfg.with_(dynamic_sampling=False)

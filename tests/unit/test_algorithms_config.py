@@ -138,3 +138,19 @@ def test_k1_is_refused_as_a_loss_term_only() -> None:
         assert AlgorithmConfig.for_algorithm("grpo", kl_coef=0.1, kl_estimator=other).kl_coef
     with pytest.raises(ProtocolError, match="kl_estimator"):  # a 422 at submit
         _decode({"kl_coef": 0.1, "kl_estimator": "k1"})
+
+
+@pytest.mark.parametrize("algorithm", [a.value for a in Algorithm])
+def test_a_group_estimator_refuses_groups_of_one(algorithm: str) -> None:
+    """Compared only with itself, a lone response gets advantage 0: the run would train nothing."""
+    body = {"algorithm": algorithm, "samples_per_prompt": 1}
+    if AlgorithmConfig.for_algorithm(algorithm).estimator is Estimator.REINFORCE_PP:
+        assert _decode(body).samples_per_prompt == 1  # its baseline is the whole batch
+        return
+    with pytest.raises(AlgorithmConfigError) as info:
+        AlgorithmConfig.for_run(body, max_new_tokens=20480, groups_per_step=16,
+                                samples_per_prompt=1)
+    assert info.value.field == "samples_per_prompt" and "trains nothing" in info.value.detail
+    with pytest.raises(ProtocolError, match="samples_per_prompt"):  # a 422 at submit
+        _decode(body)
+    assert _decode({**body, "samples_per_prompt": 2}).samples_per_prompt == 2
