@@ -25,7 +25,9 @@ Where each default comes from (section and equation numbers of the papers' arXiv
   response's length: ``seq_mean_token_sum_norm``; no KL term; clip as GRPO (veRL's
   docs/algo/grpo.md "DrGRPO" gives the same settings).
 - ``dapo``: Yu et al. 2025 (arXiv 2503.14476): clip-higher eps_low 0.2, eps_high 0.28 (§3.1),
-  dynamic sampling (§3.2, the constraint of eq. 11), token-level loss ``token_mean`` (§3.3,
+  dynamic sampling (§3.2, the constraint of eq. 11) *off* until the spec asks for it (the one
+  default that departs from the paper: it changes what a step costs, more prompts generated and
+  responses aborted, which a user should choose knowingly), token-level loss ``token_mean`` (§3.3,
   eq. 12), overlong reward shaping with a 4096-token buffer (§3.4, eq. 13) and penalty factor
   1.0 within a 20480-token budget (veRL's docs/algo/dapo.md), no KL term (§2.3); 16 gradient
   updates per rollout step (§4.1: 512 prompts x 16 responses, mini-batches of 512 responses;
@@ -172,8 +174,9 @@ _COMMON: dict[str, Any] = {
 DEFAULTS: dict[Algorithm, dict[str, Any]] = {
     Algorithm.GRPO: dict(_COMMON),
     Algorithm.DR_GRPO: {**_COMMON, "loss_agg": LossAgg.SEQ_MEAN_TOKEN_SUM_NORM},
+    # dynamic_sampling stays False (module doc): the paper's filter is opt-in.
     Algorithm.DAPO: {**_COMMON, "clip_ratio_high": 0.28, "overlong_buffer": 4096,
-                     "minibatches": 16, "dynamic_sampling": True},
+                     "minibatches": 16},
     Algorithm.RLOO: {**_COMMON, "loss_agg": LossAgg.SEQ_MEAN_TOKEN_SUM},
     Algorithm.REINFORCE_PP: dict(_COMMON),
     Algorithm.REINFORCE_PP_BASELINE: dict(_COMMON),

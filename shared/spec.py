@@ -126,13 +126,12 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The objective this run trains with: knobs, paper defaults scaled to the run."""
-        cfg = AlgorithmConfig.for_run(
+        # dynamic_sampling is off in every preset, DAPO's included (shared.algorithm): a
+        # spec that leaves it out gets False, as max_prompts and the services read it.
+        return AlgorithmConfig.for_run(
             {name: getattr(self, name) for name in _ALGORITHM_FIELDS},
             max_new_tokens=self.max_new_tokens, groups_per_step=self.prompts_per_step,
             samples_per_prompt=self.samples_per_prompt)
-        # Only when asked, though DAPO's paper has it: it changes what a step costs (more
-        # prompts generated, some responses aborted), which a user should choose knowingly.
-        return cfg if self.dynamic_sampling else cfg.with_(dynamic_sampling=False)
 
     @property
     def max_prompts(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,11 +22,11 @@ from shared.protocol import decode
 from shared.spec import RunSpec
 
 # (clip low, clip high, loss_agg, overlong buffer, minibatches, dynamic sampling), from the
-# sources the config module cites.
+# sources the config module cites; DAPO's dynamic sampling is opt-in (its doc says why).
 PAPER = {
     "grpo": (0.2, 0.2, "token_mean", 0, 1, False),
     "dr_grpo": (0.2, 0.2, "seq_mean_token_sum_norm", 0, 1, False),
-    "dapo": (0.2, 0.28, "token_mean", 4096, 16, True),
+    "dapo": (0.2, 0.28, "token_mean", 4096, 16, False),
     "rloo": (0.2, 0.2, "seq_mean_token_sum", 0, 1, False),
     "reinforce_pp": (0.2, 0.2, "token_mean", 0, 1, False),
     "reinforce_pp_baseline": (0.2, 0.2, "token_mean", 0, 1, False),
@@ -154,3 +155,18 @@ def test_a_group_estimator_refuses_groups_of_one(algorithm: str) -> None:
     with pytest.raises(ProtocolError, match="samples_per_prompt"):  # a 422 at submit
         _decode(body)
     assert _decode({**body, "samples_per_prompt": 2}).samples_per_prompt == 2
+
+
+@pytest.mark.parametrize("algorithm", [a.value for a in Algorithm])
+def test_a_spec_without_overrides_resolves_to_the_preset(algorithm: str) -> None:
+    """The spec adds nothing of its own: left out, every knob is the preset's (scaled to the
+    run), DAPO's dynamic_sampling included, which is off as docs/algorithms.md says."""
+    run = RunSpec(algorithm=algorithm)  # type: ignore[arg-type]
+    preset = AlgorithmConfig.for_run({"algorithm": algorithm}, max_new_tokens=run.max_new_tokens,
+                                     groups_per_step=run.prompts_per_step)
+    assert run.algorithm_config() == preset
+    assert preset.dynamic_sampling is False and run.max_prompts == run.prompts_per_step
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
+    assert "`dynamic_sampling` (DAPO's filter, off unless asked" in " ".join(docs.split())
+    asked = RunSpec(algorithm=algorithm, dynamic_sampling=True)  # type: ignore[arg-type]
+    assert asked.algorithm_config().dynamic_sampling is True
