@@ -25,7 +25,9 @@ Where each default comes from (section and equation numbers of the papers' arXiv
   response's length: ``seq_mean_token_sum_norm``; no KL term; clip as GRPO (veRL's
   docs/algo/grpo.md "DrGRPO" gives the same settings).
 - ``dapo``: Yu et al. 2025 (arXiv 2503.14476): clip-higher eps_low 0.2, eps_high 0.28 (§3.1),
-  dynamic sampling (§3.2, the constraint of eq. 11), token-level loss ``token_mean`` (§3.3,
+  dynamic sampling (§3.2, the constraint of eq. 11) *off* until the spec asks for it (the one
+  default that departs from the paper: it changes what a step costs, more prompts generated and
+  responses aborted, which a user should choose knowingly), token-level loss ``token_mean`` (§3.3,
   eq. 12), overlong reward shaping with a 4096-token buffer (§3.4, eq. 13) and penalty factor
   1.0 within a 20480-token budget (veRL's docs/algo/dapo.md), no KL term (§2.3); 16 gradient
   updates per rollout step (§4.1: 512 prompts x 16 responses, mini-batches of 512 responses;
@@ -48,7 +50,28 @@ Where each default comes from (section and equation numbers of the papers' arXiv
   uses exactly these values, citing §5.1.
 
 ``kl_estimator`` defaults to ``k3`` everywhere (DeepSeekMath's estimator, veRL's
-``low_var_kl``); it matters only when ``kl_coef`` > 0.
+``low_var_kl``); it matters only when ``kl_coef`` > 0. There the KL is a loss term: the trainer
+differentiates each sampled token's estimate with the sample held fixed, so what matters is the
+divergence the estimator's *gradient* follows, not the one its value estimates (Tang & Munos
+2025, "On a few pitfalls in KL divergence gradient estimation for RL", arXiv 2506.09477; Shah
+et al. 2025, "A Comedy of Estimators", arXiv 2512.21852). Per token, in expectation over the
+token ``y ~ pi(.|prefix)`` with the prefix fixed, ``d = log pi(y) - log pi_ref(y)``, and sums
+over the vocabulary:
+
+- ``k1 = d``: ``E[grad d] = sum_y pi grad log pi = grad sum_y pi = 0``. Its value is unbiased
+  for KL(pi || pi_ref), but as a loss term it only adds noise, so ``k1`` with ``kl_coef`` > 0 is
+  refused. (In the *reward*, where RLOO's and REINFORCE++'s papers put it, k1 is the right
+  estimator; rlboost has no KL in the reward.)
+- ``k2 = d^2 / 2``: ``E[d grad log pi] = sum_y d grad pi = grad KL(pi || pi_ref)`` (the term
+  ``sum_y pi grad log pi`` of the exact gradient is 0): the reverse KL, the one the RL
+  objective names.
+- ``k3 = exp(-d) + d - 1``: ``E[(1 - pi_ref / pi) grad log pi] = -sum_y pi_ref grad log pi =
+  grad KL(pi_ref || pi)``: the forward KL, although its value estimates the reverse one.
+
+Summed over a response these are per-token gradients: how a token changes the prefixes of the
+tokens after it is left out, so none is the gradient of the sequence-level KL (Tang & Munos).
+tests/unit/test_algorithms_objective.py checks the three identities exactly on a categorical
+policy.
 """
 
 from __future__ import annotations
@@ -128,6 +151,11 @@ SCOPE: dict[Estimator, Scope] = {
     Estimator.REINFORCE_PP_BASELINE: Scope.BATCH,
 }
 
+# Estimators that compare a response with the others of its group: in a group of one every
+# advantage is 0 (reinforce_pp_baseline's too, after its whitening), so nothing would train.
+GROUP_RELATIVE: frozenset[Estimator] = frozenset({
+    Estimator.GRPO, Estimator.DR_GRPO, Estimator.RLOO, Estimator.REINFORCE_PP_BASELINE})
+
 _COMMON: dict[str, Any] = {
     "clip_ratio_low": 0.2,
     "clip_ratio_high": 0.2,
@@ -146,8 +174,9 @@ _COMMON: dict[str, Any] = {
 DEFAULTS: dict[Algorithm, dict[str, Any]] = {
     Algorithm.GRPO: dict(_COMMON),
     Algorithm.DR_GRPO: {**_COMMON, "loss_agg": LossAgg.SEQ_MEAN_TOKEN_SUM_NORM},
+    # dynamic_sampling stays False (module doc): the paper's filter is opt-in.
     Algorithm.DAPO: {**_COMMON, "clip_ratio_high": 0.28, "overlong_buffer": 4096,
-                     "minibatches": 16, "dynamic_sampling": True},
+                     "minibatches": 16},
     Algorithm.RLOO: {**_COMMON, "loss_agg": LossAgg.SEQ_MEAN_TOKEN_SUM},
     Algorithm.REINFORCE_PP: dict(_COMMON),
     Algorithm.REINFORCE_PP_BASELINE: dict(_COMMON),
@@ -209,6 +238,11 @@ class AlgorithmConfig:
             raise AlgorithmConfigError("updates_per_step", "must be at least 1")
         if self.minibatches < 1:
             raise AlgorithmConfigError("minibatches", "must be at least 1")
+        if self.kl_coef > 0.0 and self.kl_estimator is KlEstimator.K1:
+            raise AlgorithmConfigError(
+                "kl_estimator", "k1 as a loss term (kl_coef > 0) has zero expected gradient "
+                "(E[grad log pi] = 0) and regularises nothing; use k2 (its gradient is that of "
+                "KL(pi || ref)) or k3 (that of KL(ref || pi))")
 
     @classmethod
     def for_algorithm(cls, algorithm: str | Algorithm = Algorithm.GRPO,
@@ -275,8 +309,8 @@ class AlgorithmConfig:
         return self.kl_coef > 0.0
 
     @classmethod
-    def for_run(cls, spec: Mapping[str, Any], *, max_new_tokens: int,
-                groups_per_step: int) -> AlgorithmConfig:
+    def for_run(cls, spec: Mapping[str, Any], *, max_new_tokens: int, groups_per_step: int,
+                samples_per_prompt: int | None = None) -> AlgorithmConfig:
         """:meth:`from_spec` with the size defaults scaled to the run (module doc), checked."""
         base = cls.from_spec(spec)
         scaled: dict[str, Any] = {}
@@ -286,11 +320,21 @@ class AlgorithmConfig:
         if spec.get("minibatches") is None:
             scaled["minibatches"] = min(base.minibatches, groups_per_step)
         cfg = base.with_(**scaled) if scaled else base
-        cfg.check_run(max_new_tokens=max_new_tokens, groups_per_step=groups_per_step)
+        cfg.check_run(max_new_tokens=max_new_tokens, groups_per_step=groups_per_step,
+                      samples_per_prompt=samples_per_prompt)
         return cfg
 
-    def check_run(self, *, max_new_tokens: int, groups_per_step: int) -> None:
-        """Raise if a knob cannot work with the run's generation budget or batch size."""
+    def check_run(self, *, max_new_tokens: int, groups_per_step: int,
+                  samples_per_prompt: int | None = None) -> None:
+        """Raise if a knob cannot work with the run's generation budget, batch or group size
+        (``samples_per_prompt`` None: not checked)."""
+        if samples_per_prompt == 1 and self.estimator in GROUP_RELATIVE:
+            raise AlgorithmConfigError(
+                "samples_per_prompt",
+                f"{self.algorithm.value} compares each response with the others of its group, "
+                "so a group of 1 gets all-zero advantages and trains nothing; use at least 2 "
+                "(or algorithm reinforce_pp, whose baseline is the whole batch)",
+            )
         if self.overlong_buffer and self.overlong_buffer >= max_new_tokens:
             # DAPO's buffer is the last 4096 of 20480 tokens; with a budget below that the
             # penalty would reach responses of every length, which is a different objective.

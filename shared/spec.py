@@ -69,7 +69,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # 16 x 8 lift the last-5 mean reward 0.21-0.30 above the first-5 on seeds 0-5).
     steps: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 40
     prompts_per_step: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
-    samples_per_prompt: Annotated[int, msgspec.Meta(ge=1, le=512)] = 8  # group size
+    # group size; 1 only with reinforce_pp (the others compare a response with its group)
+    samples_per_prompt: Annotated[int, msgspec.Meta(ge=1, le=512)] = 8
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=32768)] = 8
     # AdamW with a 5-step linear warm-up (trainer_svc.selfcheck.grpo.DEFAULT_LEARNING_RATE,
     # tuned there)
@@ -99,7 +100,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
                       "seq_mean_token_sum_norm"] | None = None  # per-token losses -> step loss
     kl_coef: float | None = None  # KL(pi || initial policy) loss weight; > 0 loads a reference
-    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None  # k1 with kl_coef > 0 is refused
     entropy_coef: float | None = None  # entropy bonus weight
     overlong_buffer: int | None = None  # DAPO: tokens before max_new_tokens where a penalty ramps
     updates_per_step: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None  # passes per step
@@ -125,12 +126,12 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The objective this run trains with: knobs, paper defaults scaled to the run."""
-        cfg = AlgorithmConfig.for_run(
+        # dynamic_sampling is off in every preset, DAPO's included (shared.algorithm): a
+        # spec that leaves it out gets False, as max_prompts and the services read it.
+        return AlgorithmConfig.for_run(
             {name: getattr(self, name) for name in _ALGORITHM_FIELDS},
-            max_new_tokens=self.max_new_tokens, groups_per_step=self.prompts_per_step)
-        # Only when asked, though DAPO's paper has it: it changes what a step costs (more
-        # prompts generated, some responses aborted), which a user should choose knowingly.
-        return cfg if self.dynamic_sampling else cfg.with_(dynamic_sampling=False)
+            max_new_tokens=self.max_new_tokens, groups_per_step=self.prompts_per_step,
+            samples_per_prompt=self.samples_per_prompt)
 
     @property
     def max_prompts(self) -> int:

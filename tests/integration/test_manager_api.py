@@ -79,15 +79,18 @@ def metric(client: httpx.Client, name: str, **labels: str) -> float:
     {"kl_coef": -0.1},
     {"dynamic_sampling": "yes"},
     {"max_gen_batches": 0},  # dynamic sampling's bound on generation
+    {"kl_coef": 0.1, "kl_estimator": "k1"},  # zero expected gradient as a loss term
+    {"algorithm": "rloo", "samples_per_prompt": 1},  # a group estimator, groups of one
 ])
 def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str, object]) -> None:
     resp = manager.post("/v1/runs", json=body)
     assert resp.status_code == 422, resp.text
     detail = resp.json()["detail"]
     assert detail
-    knob = next(iter(body)) if len(body) == 1 else "overlong_buffer"
+    knob = list(body)[-1]  # of a combination, the knob at fault comes last
     if knob in ("algorithm", "minibatches", "clip_ratio_low", "kl_coef", "overlong_buffer",
-                "dynamic_sampling", "max_gen_batches"):
+                "dynamic_sampling", "max_gen_batches", "kl_estimator",
+                "samples_per_prompt"):
         assert knob in str(detail), detail
 
 

@@ -69,7 +69,8 @@ async def test_the_loop_answers_each_turn_once_and_ends_the_response(
     loop_task: asyncio.Task[None] | None = None
     try:
         runs = RunStore(redis, Archive(tmp_path))
-        spec = RunSpec(model="tiny-chat", samples_per_prompt=1, prompts_per_step=1,
+        spec = RunSpec(model="tiny-chat", algorithm="reinforce_pp",
+                       samples_per_prompt=1, prompts_per_step=1,
                        dataset=DatasetSpec(path="x.jsonl"), env="calculator", max_turns=3)
         run_id = (await runs.create(spec))["id"]
         ledger = Ledger(redis, lease_ttl_s=60.0)
@@ -175,7 +176,8 @@ async def test_a_restarted_trainer_restores_the_environment_from_committed_turns
     try:
         runs = RunStore(redis, Archive(tmp_path))
         env = "python:tally_env:make"
-        spec = RunSpec(model="tiny-chat", samples_per_prompt=1, prompts_per_step=1,
+        spec = RunSpec(model="tiny-chat", algorithm="reinforce_pp",
+                       samples_per_prompt=1, prompts_per_step=1,
                        dataset=DatasetSpec(path="x.jsonl"), env=env, max_turns=4)
         run_id = (await runs.create(spec))["id"]
         ledger = Ledger(redis, lease_ttl_s=60.0)

@@ -157,7 +157,9 @@ async def test_a_single_turn_run_is_untouched(brokers: Stack, tmp_path: Path) ->
     await redis.flushdb()
     try:
         runs = RunStore(redis, Archive(tmp_path))
-        run_id = (await runs.create(RunSpec(model="emu", samples_per_prompt=1,
+        # (reinforce_pp: a group estimator refuses groups of one)
+        run_id = (await runs.create(RunSpec(model="emu", algorithm="reinforce_pp",
+                                            samples_per_prompt=1,
                                             prompts_per_step=1)))["id"]
         ledger = Ledger(redis, lease_ttl_s=60.0)
         await ledger.create_step(run_id, 0, 0, [[1, 2]], 1, BUDGET)

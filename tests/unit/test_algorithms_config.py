@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from shared.algorithm import (
@@ -14,13 +17,16 @@ from shared.algorithm import (
     LossAgg,
     PolicyLoss,
 )
+from shared.errors import ProtocolError
+from shared.protocol import decode
+from shared.spec import RunSpec
 
 # (clip low, clip high, loss_agg, overlong buffer, minibatches, dynamic sampling), from the
-# sources the config module cites.
+# sources the config module cites; DAPO's dynamic sampling is opt-in (its doc says why).
 PAPER = {
     "grpo": (0.2, 0.2, "token_mean", 0, 1, False),
     "dr_grpo": (0.2, 0.2, "seq_mean_token_sum_norm", 0, 1, False),
-    "dapo": (0.2, 0.28, "token_mean", 4096, 16, True),
+    "dapo": (0.2, 0.28, "token_mean", 4096, 16, False),
     "rloo": (0.2, 0.2, "seq_mean_token_sum", 0, 1, False),
     "reinforce_pp": (0.2, 0.2, "token_mean", 0, 1, False),
     "reinforce_pp_baseline": (0.2, 0.2, "token_mean", 0, 1, False),
@@ -115,3 +121,52 @@ def test_for_run_scales_unset_size_defaults_and_checks_set_ones() -> None:
     with pytest.raises(AlgorithmConfigError) as info:
         AlgorithmConfig.for_run({"minibatches": 3}, max_new_tokens=8, groups_per_step=2)
     assert info.value.field == "minibatches"
+
+
+def _decode(body: dict[str, object]) -> RunSpec:
+    return decode(json.dumps(body).encode(), RunSpec)
+
+
+def test_k1_is_refused_as_a_loss_term_only() -> None:
+    """Its gradient as a loss term is zero in expectation (module doc): a kl_coef it ignores."""
+    with pytest.raises(AlgorithmConfigError) as info:
+        AlgorithmConfig.for_algorithm("grpo", kl_coef=0.1, kl_estimator="k1")
+    assert info.value.field == "kl_estimator" and "zero expected gradient" in info.value.detail
+    with pytest.raises(AlgorithmConfigError):
+        AlgorithmConfig.for_algorithm("rloo", kl_estimator="k1").with_(kl_coef=0.01)
+    assert AlgorithmConfig.for_algorithm("grpo", kl_estimator="k1").kl_coef == 0.0
+    for other in ("k2", "k3"):
+        assert AlgorithmConfig.for_algorithm("grpo", kl_coef=0.1, kl_estimator=other).kl_coef
+    with pytest.raises(ProtocolError, match="kl_estimator"):  # a 422 at submit
+        _decode({"kl_coef": 0.1, "kl_estimator": "k1"})
+
+
+@pytest.mark.parametrize("algorithm", [a.value for a in Algorithm])
+def test_a_group_estimator_refuses_groups_of_one(algorithm: str) -> None:
+    """Compared only with itself, a lone response gets advantage 0: the run would train nothing."""
+    body = {"algorithm": algorithm, "samples_per_prompt": 1}
+    if AlgorithmConfig.for_algorithm(algorithm).estimator is Estimator.REINFORCE_PP:
+        assert _decode(body).samples_per_prompt == 1  # its baseline is the whole batch
+        return
+    with pytest.raises(AlgorithmConfigError) as info:
+        AlgorithmConfig.for_run(body, max_new_tokens=20480, groups_per_step=16,
+                                samples_per_prompt=1)
+    assert info.value.field == "samples_per_prompt" and "trains nothing" in info.value.detail
+    with pytest.raises(ProtocolError, match="samples_per_prompt"):  # a 422 at submit
+        _decode(body)
+    assert _decode({**body, "samples_per_prompt": 2}).samples_per_prompt == 2
+
+
+@pytest.mark.parametrize("algorithm", [a.value for a in Algorithm])
+def test_a_spec_without_overrides_resolves_to_the_preset(algorithm: str) -> None:
+    """The spec adds nothing of its own: left out, every knob is the preset's (scaled to the
+    run), DAPO's dynamic_sampling included, which is off as docs/algorithms.md says."""
+    run = RunSpec(algorithm=algorithm)  # type: ignore[arg-type]
+    preset = AlgorithmConfig.for_run({"algorithm": algorithm}, max_new_tokens=run.max_new_tokens,
+                                     groups_per_step=run.prompts_per_step)
+    assert run.algorithm_config() == preset
+    assert preset.dynamic_sampling is False and run.max_prompts == run.prompts_per_step
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
+    assert "`dynamic_sampling` (DAPO's filter, off unless asked" in " ".join(docs.split())
+    asked = RunSpec(algorithm=algorithm, dynamic_sampling=True)  # type: ignore[arg-type]
+    assert asked.algorithm_config().dynamic_sampling is True

@@ -204,12 +204,12 @@ def _config(algorithm: str, knobs: dict[str, object]) -> AlgorithmConfig:
          "dynamic_sampling": False, **knobs}, max_new_tokens=MAX_NEW, groups_per_step=GROUPS)
 
 
-# Each algorithm as its paper sets it (with them all four loss_agg modes), then every KL
-# estimator and the entropy term beside the mask.
+# Each algorithm as its paper sets it (with them all four loss_agg modes), then each KL
+# estimator a loss term may use and the entropy term beside the mask.
 CASES = [(a.value, {}) for a in Algorithm] + [
     ("grpo", {"kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": 0.01,
               "loss_agg": "seq_mean_token_mean"}),
-    ("reinforce_pp", {"kl_coef": 0.05, "kl_estimator": "k1", "entropy_coef": 0.01,
+    ("reinforce_pp", {"kl_coef": 0.05, "kl_estimator": "k2", "entropy_coef": 0.01,
                       "loss_agg": "seq_mean_token_sum"}),
     ("gspo", {"kl_coef": 0.1, "kl_estimator": "k2", "loss_agg": "token_mean"}),
     ("dr_grpo", {"entropy_coef": 0.02}),

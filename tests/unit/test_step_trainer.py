@@ -15,6 +15,7 @@ direct sum at ~1e-8 by float32 rounding alone, which says nothing about streamin
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -192,3 +193,64 @@ def test_a_group_added_twice_is_refused() -> None:
     trainer.add_group(_groups()[0])
     with pytest.raises(ValueError, match="twice"):
         trainer.add_group(_groups()[0])
+
+
+def test_dr_grpo_divides_every_mini_batch_by_the_budget_not_its_longest_response() -> None:
+    """Dr. GRPO (arXiv 2503.20783 §3.1): each response's token sum over the generation budget,
+    a run constant. Here no response comes near the budget (at most 5 of 16 tokens), and each
+    of the 2 x 2 optimizer steps' loss must still be ``sum_i sum_t l_it / (N_mb * 16)``, with
+    ``l_it = max(-A_i r_it, -A_i clip(r_it, 0.8, 1.2))`` and ``A_i = r_i - mean(group)``."""
+    budget, lr = 16, 0.5
+    rng = random.Random(3)
+    groups = []
+    for index in range(GROUPS):
+        prompt = task.make_prompt(rng.randrange(10), 2)
+        responses = [[*(rng.choice(task.DIGIT_IDS) for _ in range(rng.randint(1, 4))),
+                      task.EOS_ID] for _ in range(4)]
+        groups.append(Group(prompt_index=index, prompts=[prompt] * 4, responses=responses,
+                            rewards=[rng.choice([0.0, 0.5, 1.0]) for _ in range(3)] + [0.25],
+                            truncated=[False] * 4))
+    cfg = AlgorithmConfig.for_run({"algorithm": "dr_grpo", "minibatches": 2,
+                                   "updates_per_step": 2}, max_new_tokens=budget,
+                                  groups_per_step=GROUPS)
+    assert cfg.loss_agg.value == "seq_mean_token_sum_norm"
+    trained, expected = model64(), model64()
+    trainer = StepTrainer(trained, torch.optim.SGD(trained.parameters(), lr=lr), cfg,
+                          RunShape(budget, TEMPERATURE, GROUPS), task.PAD_ID)
+    for g in groups:
+        trainer.add_group(g)
+    stats = trainer.step(max_grad_norm=math.inf)  # no clip: it would rescale the gradient
+
+    opt = torch.optim.SGD(expected.parameters(), lr=lr)
+    prompts = [p for g in groups for p in g.prompts]
+    responses = [r for g in groups for r in g.responses]
+    adv = [x - sum(g.rewards) / 4 for g in groups for x in g.rewards]
+    with torch.no_grad():
+        old = logprobs.response_logprobs(expected, prompts, responses, task.PAD_ID, TEMPERATURE)
+    values, by_longest = [], []
+    for _ in range(2):
+        for rows in (range(0, 8), range(8, 16)):  # mini-batch k: groups 2k and 2k + 1
+            new = logprobs.response_scores(expected, [prompts[i] for i in rows],
+                                           [responses[i] for i in rows], task.PAD_ID,
+                                           temperature=TEMPERATURE).logprobs
+            total = sum((torch.maximum(-adv[i] * torch.exp(n - old[i]), -adv[i] * torch.clamp(
+                torch.exp(n - old[i]), 0.8, 1.2)).sum() for i, n in zip(rows, new, strict=True)),
+                torch.zeros((), dtype=torch.float64))
+            loss = total / (len(rows) * budget)
+            loss.backward()
+            values.append(float(loss.detach()))
+            by_longest.append(float(total.detach()) / (len(rows) * max(len(responses[i])
+                                                                         for i in rows)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert max(len(r) for r in responses) <= 5 < budget
+    assert stats["optimizer_steps"] == 4
+    assert stats["loss"] == pytest.approx(sum(values) / 4, rel=1e-9, abs=1e-13)
+    # The longest response's length would give a loss over three times as large.
+    assert abs(sum(by_longest) / 4 - stats["loss"]) > 0.5 * abs(stats["loss"]) > 1e-4
+    moved = 0.0
+    for (name, pt), pe, p0 in zip(trained.named_parameters(), expected.parameters(),
+                                  model64().parameters(), strict=True):
+        torch.testing.assert_close(pt, pe, rtol=0, atol=1e-12, msg=name)
+        moved = max(moved, float((pt - p0).detach().abs().max()))
+    assert moved > 1e-6

@@ -36,8 +36,7 @@ the same ``loss_agg`` mode (as veRL's actor does), where ``pg`` is:
 
 - ``token_clip`` (PPO; GRPO; DAPO eq. 8 with eps_low / eps_high):
   ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` with ``r = exp(new - old)`` per token.
-  No dual clip and no clamp of the log-ratio (veRL clamps it to +-20 and adds a dual clip at
-  3 for negative advantages; neither is in these papers).
+  No dual clip (veRL adds one at 3 for negative advantages; it is in none of these papers).
 - ``sequence_clip`` (GSPO, Zheng et al. 2025): the sequence ratio is the geometric mean of the
   token ratios, ``s_i = exp(mean_t(new - old))`` (eq. 7), clipped per response. It is applied
   in the paper's GSPO-token form: ``s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, whose value is
@@ -48,7 +47,25 @@ the same ``loss_agg`` mode (as veRL's actor does), where ``pg`` is:
 
 KL estimators of KL(pi || pi_ref) from a sample of pi (Schulman, "Approximating KL
 Divergence", 2020), with ``d = new - ref``: k1 = ``d``; k2 = ``d^2 / 2``; k3 =
-``exp(-d) + d - 1``. veRL clamps k3 to [-10, 10]; here it is not clamped.
+``exp(-d) + d - 1``. Which divergence each one's *gradient* follows as a loss term is in
+:mod:`shared.algorithm` (k1's is zero in expectation, so it is refused there).
+
+The log-ratio clamp. Every exponentiated difference is clamped to :data:`LOG_RATIO_CLAMP`
+(20, veRL's bound on the PPO log-ratio) first: in float32 ``exp`` overflows to inf above ~88,
+and one inf token makes the loss inf and, through ``maximum`` or ``0 * inf``, the gradient NaN,
+which the optimizer step spreads to every weight. Within the bound nothing changes (the float64
+references use the unclamped formulas); beyond it:
+
+- the policy ratio, ``r = exp(clamp(new - old))``, and GSPO's ``s_i``: the clamp is applied
+  to the whole log-ratio, so a token (GSPO: a response) past +-20 has the constant ratio
+  ``e^+-20`` and no gradient. ``e^20`` is 4.9e8, far beyond any clip range, so the clip has
+  already made that gradient zero for one sign of the advantage; ``e^-20`` is 2e-9, so the
+  gradient lost on that side is at most 2e-9 |A|.
+- k3: ``d`` is clamped below at -20 only, where ``exp(-d)`` overflows; above, ``exp(-d)``
+  only underflows towards 0 and k3 stays exact (its gradient ``1 - exp(-d)`` tends to 1, which
+  keeps pulling a policy that has run far ahead of the reference back). Below -20 the token's
+  k3 is the constant ``e^20 - 21`` with no gradient.
+- :func:`first_pass_parts` exponentiates ``new - sg(new)``, which is 0.
 
 :func:`first_pass_parts` serves batch-scope estimators: while the ratio is exactly 1 (the first
 pass, before any update), the policy-gradient loss is linear in the advantage, so a group can be
@@ -64,6 +81,10 @@ import torch
 
 from shared.algorithm import AlgorithmConfig, KlEstimator, LossAgg, PolicyLoss
 from trainer_svc.learn.algorithms.stats import TrainStats
+
+# Bound on every exponentiated log-ratio (module doc): exp(20) = 4.9e8 is finite in float32
+# (and bfloat16), whose exp overflows above ~88.7; veRL clamps the PPO log-ratio to +-20 too.
+LOG_RATIO_CLAMP = 20.0
 
 # --- aggregation -------------------------------------------------------------------------
 
@@ -141,6 +162,7 @@ def kl_estimate(new: torch.Tensor, ref: torch.Tensor, estimator: KlEstimator) ->
         case KlEstimator.K2:
             return 0.5 * d * d
         case KlEstimator.K3:
+            d = d.clamp(min=-LOG_RATIO_CLAMP)  # exp(-d) overflows only below (module doc)
             return torch.exp(-d) + d - 1.0
 
 
@@ -169,7 +191,7 @@ def policy_token_losses(
     log_ratio = flat_new - _flat(old).detach().to(flat_new.dtype)
     if policy is PolicyLoss.SEQUENCE_CLIP:
         log_ratio = flat_new - flat_new.detach() + _sequence_log_ratio(log_ratio, lengths)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
