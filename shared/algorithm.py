@@ -110,6 +110,15 @@ class KlEstimator(StrEnum):
     K3 = "k3"
 
 
+class OffPolicy(StrEnum):
+    """How the policy gradient corrects for tokens the trainer's policy did not sample
+    (:mod:`trainer_svc.learn.algorithms.losses`, "Off-policy corrections")."""
+
+    NONE = "none"  # the recomputed log-probs are taken as the behaviour policy's
+    TIS = "tis"  # truncated importance sampling of proximal over behaviour, capped
+    DECOUPLED = "decoupled"  # AReaL's decoupled PPO: clip against the proximal policy
+
+
 class Estimator(StrEnum):
     """The advantage estimator an algorithm uses (:mod:`trainer_svc.learn.algorithms.advantages`).
     """
@@ -168,7 +177,14 @@ _COMMON: dict[str, Any] = {
     "updates_per_step": 1,
     "minibatches": 1,
     "dynamic_sampling": False,
+    "off_policy": OffPolicy.NONE,
+    "off_policy_cap": None,
 }
+# The default cap of each correction's behaviour weight when the spec sets none: TIS truncates
+# at 2 (the value Yao et al.'s TIS post runs with; veRL's example sets 10), decoupled PPO has
+# no cap (AReaL's behav_imp_weight_cap defaults to None).
+OFF_POLICY_CAP: dict[OffPolicy, float | None] = {
+    OffPolicy.NONE: None, OffPolicy.TIS: 2.0, OffPolicy.DECOUPLED: None}
 
 # Each algorithm's paper defaults (sources in the module docstring).
 DEFAULTS: dict[Algorithm, dict[str, Any]] = {
@@ -214,6 +230,10 @@ class AlgorithmConfig:
     updates_per_step: int  # passes (epochs) over the step's responses
     minibatches: int  # optimizer steps per pass, each on an equal share of the responses
     dynamic_sampling: bool  # DAPO: train only on groups whose rewards are not all equal
+    off_policy: OffPolicy  # the behaviour-policy correction (OffPolicy)
+    # TIS: the weight's truncation; decoupled: tokens whose weight exceeds it get no loss;
+    # None: the correction's default (OFF_POLICY_CAP), which for decoupled is no cap
+    off_policy_cap: float | None
 
     def __post_init__(self) -> None:
         def finite(name: str, value: float, low: float, high: float = math.inf) -> None:
@@ -238,6 +258,10 @@ class AlgorithmConfig:
             raise AlgorithmConfigError("updates_per_step", "must be at least 1")
         if self.minibatches < 1:
             raise AlgorithmConfigError("minibatches", "must be at least 1")
+        if self.off_policy_cap is not None:
+            finite("off_policy_cap", self.off_policy_cap, 1.0)
+            if self.off_policy is OffPolicy.NONE:
+                raise AlgorithmConfigError("off_policy_cap", "needs off_policy tis or decoupled")
         if self.kl_coef > 0.0 and self.kl_estimator is KlEstimator.K1:
             raise AlgorithmConfigError(
                 "kl_estimator", "k1 as a loss term (kl_coef > 0) has zero expected gradient "
@@ -260,7 +284,8 @@ class AlgorithmConfig:
             raise AlgorithmConfigError(unknown[0], "is not an algorithm knob")
         values = dict(DEFAULTS[algo])
         values.update({k: v for k, v in overrides.items() if v is not None})
-        for name, kind in (("loss_agg", LossAgg), ("kl_estimator", KlEstimator)):
+        for name, kind in (("loss_agg", LossAgg), ("kl_estimator", KlEstimator),
+                           ("off_policy", OffPolicy)):
             try:
                 values[name] = kind(values[name])
             except ValueError:
@@ -269,9 +294,13 @@ class AlgorithmConfig:
                 ) from None
         if not isinstance(values["dynamic_sampling"], bool):
             raise AlgorithmConfigError("dynamic_sampling", "must be true or false")
+        if values["off_policy_cap"] is None:
+            values["off_policy_cap"] = OFF_POLICY_CAP[values["off_policy"]]
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef", "entropy_coef",
-                     "overlong_penalty_factor"):
+                     "overlong_penalty_factor", "off_policy_cap"):
             value = values[name]
+            if value is None and name == "off_policy_cap":
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise AlgorithmConfigError(name, f"{value!r} is not a number")
             values[name] = float(value)

@@ -106,6 +106,10 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     updates_per_step: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None  # passes per step
     minibatches: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None  # steps per pass
     dynamic_sampling: bool | None = None  # DAPO: train only on groups whose rewards differ
+    # Correct for the engine's sampling policy differing from the trainer's (numerics, or a
+    # stale version): "tis" or "decoupled", from each token's behaviour log-prob.
+    off_policy: Literal["none", "tis", "decoupled"] | None = None
+    off_policy_cap: float | None = None  # the correction's weight cap (None: its default)
     # Dynamic sampling's bound on generation (veRL's max_num_gen_batches): a step draws at most
     # this many batches of prompts_per_step prompts; short of informative groups then, it
     # trains on those it has and its record says so (dynamic_sampling_capped).
@@ -171,7 +175,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
 
 _ALGORITHM_FIELDS = ("algorithm", "clip_ratio_low", "clip_ratio_high", "loss_agg", "kl_coef",
                      "kl_estimator", "entropy_coef", "overlong_buffer", "updates_per_step",
-                     "minibatches", "dynamic_sampling")
+                     "minibatches", "dynamic_sampling", "off_policy", "off_policy_cap")
 
 
 def emulated_model(model: str) -> bool:

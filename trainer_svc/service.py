@@ -28,6 +28,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from shared import names
+from shared.algorithm import OffPolicy
 from shared.bus import connect_nats
 from shared.config import TrainerConfig
 from shared.digest import sample_digest
@@ -63,10 +64,12 @@ from trainer_svc.workload import EvalResult, StepPrompt, Workload, open_workload
 log = logging.getLogger("trainer")
 
 
-def training_group(samples: list[Sample]) -> Group:
+def training_group(samples: list[Sample], behaviour: bool = False) -> Group:
     """A scored group's samples as the policy trains them, in sample order, with their loss
     masks from their turns (:mod:`shared.turns`; None when no token is masked: a single-turn
-    group trains exactly as before turns existed). Bad turns fail the run, naming the sample."""
+    group trains exactly as before turns existed), and with ``behaviour`` (a run with an
+    off-policy correction) their behaviour log-probs. Bad turns fail the run, naming the
+    sample."""
     masks = []
     for s in samples:
         try:
@@ -78,7 +81,8 @@ def training_group(samples: list[Sample]) -> Group:
                  responses=[s.response_token_ids for s in samples],
                  rewards=[float(s.reward or 0.0) for s in samples],
                  truncated=[s.finish_reason == "length" for s in samples],
-                 loss_masks=masks if any(0 in m for m in masks) else None)
+                 loss_masks=masks if any(0 in m for m in masks) else None,
+                 behaviour=[s.behaviour_logprobs for s in samples] if behaviour else None)
 
 
 @dataclass
@@ -373,7 +377,8 @@ class TrainerService:
     async def _train_group(self, run: ActiveTraining, group: list[Sample]) -> None:
         """Accumulate one scored group's gradients (advantages are relative within it)."""
         prompt_index = group[0].prompt_index
-        await asyncio.to_thread(run.policy.add_group, training_group(group))
+        corrects = run.spec.algorithm_config().off_policy is not OffPolicy.NONE
+        await asyncio.to_thread(run.policy.add_group, training_group(group, corrects))
         run.trained[prompt_index] = group
         self.groups_done.inc()
 

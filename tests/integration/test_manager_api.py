@@ -81,6 +81,9 @@ def metric(client: httpx.Client, name: str, **labels: str) -> float:
     {"max_gen_batches": 0},  # dynamic sampling's bound on generation
     {"kl_coef": 0.1, "kl_estimator": "k1"},  # zero expected gradient as a loss term
     {"algorithm": "rloo", "samples_per_prompt": 1},  # a group estimator, groups of one
+    {"off_policy": "importance"},
+    {"off_policy": "tis", "off_policy_cap": 0.5},  # a cap below 1 would weigh every token down
+    {"off_policy_cap": 2.0},  # a cap with no correction to apply it to
 ])
 def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str, object]) -> None:
     resp = manager.post("/v1/runs", json=body)
@@ -90,7 +93,7 @@ def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str
     knob = list(body)[-1]  # of a combination, the knob at fault comes last
     if knob in ("algorithm", "minibatches", "clip_ratio_low", "kl_coef", "overlong_buffer",
                 "dynamic_sampling", "max_gen_batches", "kl_estimator",
-                "samples_per_prompt"):
+                "samples_per_prompt", "off_policy_cap"):
         assert knob in str(detail), detail
 
 

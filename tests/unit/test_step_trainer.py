@@ -21,13 +21,14 @@ import random
 import pytest
 import torch
 
-from shared.algorithm import Algorithm, AlgorithmConfig
+from shared.algorithm import Algorithm, AlgorithmConfig, OffPolicy
 from tests.support.float64 import (
     float64_rms_norm,  # noqa: F401 (autouse fixture)
     model64,
 )
 from trainer_svc.embedded import task
 from trainer_svc.learn.algorithms import advantages, logprobs, losses
+from trainer_svc.learn.algorithms.off_policy import behaviour_weights
 from trainer_svc.learn.step_trainer import Group, RunShape, StepTrainer
 
 MAX_NEW = 8
@@ -38,6 +39,7 @@ TEMPERATURE = 0.7  # T != 1: every log-prob is taken at the sampling temperature
 
 def _groups(seed: int = 7) -> list[Group]:
     rng = random.Random(seed)
+    mu_rng = random.Random(seed + 1)  # apart, so the groups themselves stay as they were
     out = []
     for index in range(GROUPS):
         prompt = task.make_prompt(rng.randrange(10), rng.randint(1, 3))
@@ -51,8 +53,13 @@ def _groups(seed: int = 7) -> list[Group]:
             rewards = [0.25] * 4  # all equal: no signal for group-relative estimators
         else:
             rewards[0], rewards[1] = 0.0, 1.0
+        # What an engine would report it sampled each token with (off-policy cases read it);
+        # one response's is unknown, as from an engine that gives none (weighted 1).
+        behaviour = [[-3.0 * mu_rng.random() for _ in r] for r in responses]
+        behaviour[2] = []
         out.append(Group(prompt_index=index, prompts=[prompt] * 4, responses=responses,
-                         rewards=rewards, truncated=[len(r) == MAX_NEW for r in responses]))
+                         rewards=rewards, truncated=[len(r) == MAX_NEW for r in responses],
+                         behaviour=behaviour))
     return out
 
 
@@ -69,6 +76,7 @@ def _batch_step(model: torch.nn.Module, cfg: AlgorithmConfig, groups: list[Group
     adv = [a for group in advantages.step_advantages(cfg.estimator, shaped) for a in group]
     prompts = [p for g in groups for p in g.prompts]
     responses = [r for g in groups for r in g.responses]
+    behaviour = [b for g in groups for b in (g.behaviour or [[]] * len(g.responses))]
     with torch.no_grad():
         old = logprobs.response_logprobs(model, prompts, responses, task.PAD_ID, TEMPERATURE)
         ref = logprobs.response_logprobs(reference, prompts, responses, task.PAD_ID,
@@ -81,9 +89,14 @@ def _batch_step(model: torch.nn.Module, cfg: AlgorithmConfig, groups: list[Group
             scores = logprobs.response_scores(model, prompts[rows], responses[rows],
                                               task.PAD_ID, temperature=TEMPERATURE,
                                               entropy=True)
+            weights = None
+            if cfg.off_policy is not OffPolicy.NONE:
+                mu = [o if not b else torch.tensor(b, dtype=o.dtype)
+                      for o, b in zip(old[rows], behaviour[rows], strict=True)]
+                weights = behaviour_weights(cfg.off_policy, cfg.off_policy_cap, old[rows], mu)
             obj = losses.objective(cfg, scores.logprobs, old[rows], adv[rows],
                                    ref=ref[rows] if ref is not None else None,
-                                   entropy=scores.entropy)
+                                   entropy=scores.entropy, weights=weights)
             obj.partial.backward()
             denom = losses.denominator(cfg.loss_agg, obj.counts, MAX_NEW)
             for p in model.parameters():
@@ -113,6 +126,10 @@ CASES = [(a.value, {}) for a in Algorithm] + [
     # Batch-normalised advantages with the KL and entropy terms streaming beside them.
     ("reinforce_pp_baseline", {"kl_coef": 0.05, "kl_estimator": "k3", "entropy_coef": 0.01}),
     ("grpo", {"kl_coef": 0.1, "kl_estimator": "k2", "loss_agg": "seq_mean_token_mean"}),
+    # Off-policy corrections: group scope streams the weighted objective, batch scope the
+    # weighted first-pass parts; several passes reuse the step's proximal log-probs.
+    ("grpo", {"off_policy": "tis", "updates_per_step": 2}),
+    ("reinforce_pp", {"off_policy": "decoupled", "off_policy_cap": 3.0}),
 ]
 
 
@@ -139,6 +156,9 @@ def test_streaming_equals_batch_with_several_updates(algorithm: str, knobs: dict
     # The second pass runs on moved weights: some ratios leave the clip range.
     assert stats["clip_fraction"] > 0
     assert ("kl" in stats) is cfg.needs_reference
+    if cfg.off_policy is not OffPolicy.NONE:  # the weights were applied, and differ from 1
+        assert stats["off_policy_weight"] != pytest.approx(1.0, abs=1e-3)
+        assert stats["behaviour_log_ratio_abs"] > 0
     if cfg.needs_reference:
         assert stats["kl"] > 0  # the reference is another model
     # One pass of two mini-batches streams at most its first: 1/4 of the backward, or

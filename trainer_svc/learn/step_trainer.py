@@ -60,8 +60,13 @@ from typing import Any
 
 import torch
 
-from shared.algorithm import AlgorithmConfig, Scope
+from shared.algorithm import AlgorithmConfig, OffPolicy, Scope
 from trainer_svc.learn.algorithms import advantages, logprobs, losses
+from trainer_svc.learn.algorithms.off_policy import (
+    Weights,
+    behaviour_weights,
+    trained_behaviour,
+)
 from trainer_svc.learn.algorithms.stats import TrainStats, response_stats
 
 DEFAULT_MAX_GRAD_NORM = 1.0
@@ -78,6 +83,9 @@ class Group:
     truncated: list[bool]  # per response: ran out of budget rather than ending
     # Per response, per token: 1 trained, 0 an observation (module doc); None: all trained.
     loss_masks: list[list[int]] | None = None
+    # Per response, per token: the behaviour log-prob its engine sampled it with (an empty
+    # list: unknown, weighted 1); None: none given (the run corrects nothing).
+    behaviour: list[list[float]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +125,8 @@ class _Entry:
     old: list[torch.Tensor] | None = None  # log-probs under the step's weights
     ref: list[torch.Tensor] | None = None  # log-probs under the reference policy
     streamed: bool = False  # its first-pass gradient is already accumulated
+    # behaviour log-probs of the trained tokens, per response (None: unknown)
+    behaviour: list[list[float] | None] | None = None
 
     @property
     def tokens(self) -> int:
@@ -136,15 +146,23 @@ class _Pass:
 
     def vector(self) -> torch.Tensor:
         s = self.stats
-        return torch.tensor([self.partial, s.loss_tokens, s.clipped_tokens, s.kl_sum,
-                             s.kl_tokens, s.entropy_sum, s.entropy_tokens], dtype=torch.float64)
+        return torch.tensor([self.partial, *(getattr(s, name) for name in _LOSS_SIDE)],
+                            dtype=torch.float64)
 
     @staticmethod
     def from_vector(v: torch.Tensor) -> _Pass:
         x = v.tolist()
-        return _Pass(x[0], TrainStats(loss_tokens=int(x[1]), clipped_tokens=int(x[2]),
-                                      kl_sum=x[3], kl_tokens=int(x[4]), entropy_sum=x[5],
-                                      entropy_tokens=int(x[6])))
+        stats = TrainStats(**{name: kind(value) for (name, kind), value in zip(
+            _LOSS_SIDE.items(), x[1:], strict=True)})
+        return _Pass(x[0], stats)
+
+
+# The loss-side statistics a pass sums over the ranks, and their types.
+_LOSS_SIDE: dict[str, type] = {
+    "loss_tokens": int, "clipped_tokens": int, "kl_sum": float, "kl_tokens": int,
+    "entropy_sum": float, "entropy_tokens": int, "behaviour_tokens": int,
+    "behaviour_weight_sum": float, "behaviour_capped": int,
+    "behaviour_log_ratio_abs_sum": float}
 
 
 class StepTrainer:
@@ -251,7 +269,20 @@ class StepTrainer:
                                         torch.tensor(rewards, dtype=torch.float64), lengths)
         silent = (self.cfg.scope is Scope.GROUP and self.cfg.kl_coef == 0.0
                   and self.cfg.entropy_coef == 0.0 and all(bool((a == 0).all()) for a in raw))
-        return _Entry(group, lengths, raw, owned, silent or sum(lengths) == 0)
+        entry = _Entry(group, lengths, raw, owned, silent or sum(lengths) == 0)
+        if self.cfg.off_policy is not OffPolicy.NONE:
+            entry.behaviour = trained_behaviour(group.responses, group.behaviour,
+                                                group.loss_masks)
+        return entry
+
+    def _weights(self, entry: _Entry, old: list[torch.Tensor]) -> Weights | None:
+        """The off-policy correction's weights of ``entry``'s tokens against ``old`` (the
+        proximal policy); a response whose behaviour log-probs are unknown weighs 1."""
+        if entry.behaviour is None:
+            return None
+        mu = [o.detach() if b is None else torch.tensor(b, dtype=o.dtype, device=o.device)
+              for o, b in zip(old, entry.behaviour, strict=True)]
+        return behaviour_weights(self.cfg.off_policy, self.cfg.off_policy_cap, old, mu)
 
     def _scores(self, entry: _Entry) -> logprobs.TokenScores:
         g = entry.group
@@ -274,16 +305,19 @@ class StepTrainer:
         new = scores.logprobs
         old = [t.detach() for t in new]
         ref = self._reference(entry)
+        weights = self._weights(entry, old)
         if self.cfg.scope is Scope.GROUP:
-            obj = losses.objective(self.cfg, new, old, entry.raw, ref=ref, entropy=scores.entropy)
+            obj = losses.objective(self.cfg, new, old, entry.raw, ref=ref, entropy=scores.entropy,
+                                   weights=weights)
             obj.partial.backward()
             self._first.add(float(obj.partial.detach()), obj.stats)
         else:
             # The policy-gradient part waits for the whitening as two sums (module doc); the
             # KL and entropy terms do not involve the advantage and go into .grad now.
-            p_adv, p_one = losses.first_pass_parts(new, entry.raw, self.cfg.loss_agg)
+            p_adv, p_one = losses.first_pass_parts(new, entry.raw, self.cfg.loss_agg, weights)
             zeros = [torch.zeros_like(a) for a in entry.raw]
-            obj = losses.objective(self.cfg, new, old, zeros, ref=ref, entropy=scores.entropy)
+            obj = losses.objective(self.cfg, new, old, zeros, ref=ref, entropy=scores.entropy,
+                                   weights=weights)
             self._backward_into(p_adv, self._parts_adv)
             self._backward_into(p_one, self._parts_one)
             pa, po = self._parts_value
@@ -382,7 +416,7 @@ class StepTrainer:
             raise RuntimeError(f"group {entry.group.prompt_index} was never scored")
         scores = self._scores(entry)
         obj = losses.objective(self.cfg, scores.logprobs, entry.old, adv, ref=entry.ref,
-                               entropy=scores.entropy)
+                               entropy=scores.entropy, weights=self._weights(entry, entry.old))
         obj.partial.backward()
         done.add(float(obj.partial.detach()), obj.stats)
 
@@ -435,3 +469,4 @@ class StepTrainer:
         m = self.cfg.minibatches
         return self._can_stream and (
             m == 1 or entry.group.prompt_index * m // self.shape.groups_per_step == 0)
+

@@ -76,11 +76,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from shared.algorithm import AlgorithmConfig, KlEstimator, LossAgg, PolicyLoss
+from shared.algorithm import AlgorithmConfig, KlEstimator, LossAgg, OffPolicy, PolicyLoss
 from trainer_svc.learn.algorithms.stats import TrainStats
+
+if TYPE_CHECKING:  # off_policy imports this module's LOG_RATIO_CLAMP
+    from trainer_svc.learn.algorithms.off_policy import Weights
 
 # Bound on every exponentiated log-ratio (module doc): exp(20) = 4.9e8 is finite in float32
 # (and bfloat16), whose exp overflows above ~88.7; veRL clamps the PPO log-ratio to +-20 too.
@@ -178,11 +182,16 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, lengths: list[int]) -> torch.Te
 def policy_token_losses(
     policy: PolicyLoss, new: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
     advantages: Sequence[torch.Tensor], clip_low: float, clip_high: float,
+    weights: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-token policy-gradient losses and per-token "clipped branch taken" flags."""
+    """Per-token policy-gradient losses and per-token "clipped branch taken" flags; each
+    token's loss times its off-policy weight, where ``weights`` are given
+    (:mod:`~trainer_svc.learn.algorithms.off_policy`)."""
     lengths = [int(t.numel()) for t in new]
     _check("old log-prob", old, lengths)
     _check("advantage", advantages, lengths)
+    if weights is not None:
+        _check("off-policy weight", weights, lengths)
     if not lengths or sum(lengths) == 0:
         empty = [t.reshape(-1) * 0 for t in new]
         return empty, [t.new_zeros(t.numel(), dtype=torch.bool) for t in new]
@@ -195,6 +204,8 @@ def policy_token_losses(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        loss = loss * _flat(weights).detach().to(loss.dtype)
     return _split(loss, lengths), _split(clipped > unclipped, lengths)
 
 
@@ -210,17 +221,28 @@ class Objective:
 def objective(
     cfg: AlgorithmConfig, new: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
     advantages: Sequence[torch.Tensor], *, ref: Sequence[torch.Tensor] | None = None,
-    entropy: Sequence[torch.Tensor] | None = None,
+    entropy: Sequence[torch.Tensor] | None = None, weights: Weights | None = None,
 ) -> Objective:
-    """The configured objective over some responses (a group, a mini-batch or a whole step)."""
+    """The configured objective over some responses (a group, a mini-batch or a whole step).
+    ``weights``: the off-policy correction's, from ``old``
+    (:func:`~trainer_svc.learn.algorithms.off_policy.behaviour_weights`); needed unless
+    ``cfg.off_policy`` is none."""
     if not new:
         raise ValueError("no responses")
+    if (weights is None) != (cfg.off_policy is OffPolicy.NONE):
+        raise ValueError(f"off_policy {cfg.off_policy.value} needs weights exactly when it "
+                         "is not none")
     lengths = [int(t.numel()) for t in new]
     pg, flags = policy_token_losses(cfg.policy_loss, new, old, advantages,
-                                    cfg.clip_ratio_low, cfg.clip_ratio_high)
+                                    cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                    None if weights is None else weights.per_token)
     total = list(pg)
     stats = TrainStats(loss_tokens=sum(lengths),
                        clipped_tokens=int(sum(int(f.sum()) for f in flags)))
+    if weights is not None:
+        stats.behaviour_tokens, stats.behaviour_weight_sum = weights.tokens, weights.weight_sum
+        stats.behaviour_capped = weights.capped
+        stats.behaviour_log_ratio_abs_sum = weights.log_ratio_abs_sum
     if cfg.kl_coef > 0.0 and ref is None:
         raise ValueError("kl_coef > 0 needs the reference policy's log-probs")
     if ref is not None:
@@ -243,7 +265,8 @@ def objective(
 
 
 def first_pass_parts(new: Sequence[torch.Tensor], raw_advantages: Sequence[torch.Tensor],
-                     mode: LossAgg) -> tuple[torch.Tensor, torch.Tensor]:
+                     mode: LossAgg, weights: Weights | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P_adv, P_one)`` for responses whose old log-probs equal ``new`` (ratio exactly 1).
 
     There both policy losses reduce to ``-A * rho`` per token with ``rho = exp(new - sg(new))``
@@ -258,6 +281,9 @@ def first_pass_parts(new: Sequence[torch.Tensor], raw_advantages: Sequence[torch
     lengths = [int(t.numel()) for t in new]
     _check("advantage", raw_advantages, lengths)
     rho = [torch.exp(t - t.detach()) for t in new]
+    if weights is not None:  # an off-policy weight is a constant factor per token: still linear
+        _check("off-policy weight", weights.per_token, lengths)
+        rho = [r * w.detach().to(r.dtype) for r, w in zip(rho, weights.per_token, strict=True)]
     p_adv = partial_sum([-a.detach().to(r.dtype) * r for a, r in zip(raw_advantages, rho,
                                                                         strict=True)], mode)
     p_one = partial_sum([-r for r in rho], mode)

@@ -11,6 +11,10 @@ the :meth:`TrainStats.merge` of its groups' (and its ranks') stats in any order,
 - ``clip_fraction``: share of those tokens whose clipped branch was taken (its gradient is
   zero), as veRL's ``pg_clipfrac``. On the first pass of a step the ratio is 1 and nothing
   clips; it is non-zero only with several updates per step.
+- ``off_policy_weight``, ``off_policy_capped_fraction``, ``behaviour_log_ratio_abs``: with an
+  off-policy correction, the token mean of its weight, the share of tokens its cap changed, and
+  the token mean of ``|log pi_prox - log mu|`` (:mod:`~trainer_svc.learn.algorithms.off_policy`),
+  over the same tokens as ``clip_fraction``.
 - ``advantage_mean`` / ``advantage_std``: over response tokens (each token's advantage, the
   population std), counted once per step, not once per pass.
 - ``response_len_mean`` / ``response_len_max`` and ``truncated_fraction``: over responses.
@@ -36,6 +40,10 @@ class TrainStats:
     kl_tokens: int = 0  # tokens with a KL estimate
     entropy_sum: float = 0.0  # sum of per-token entropies
     entropy_tokens: int = 0  # tokens with an entropy
+    behaviour_tokens: int = 0  # tokens with an off-policy weight (algorithms.off_policy)
+    behaviour_weight_sum: float = 0.0
+    behaviour_capped: int = 0  # of those, tokens whose weight the cap changed
+    behaviour_log_ratio_abs_sum: float = 0.0  # sum of |log pi_prox - log mu|
     # data side: once per step
     responses: int = 0
     truncated: int = 0  # responses that ran out of budget
@@ -61,6 +69,11 @@ class TrainStats:
             out["entropy"] = self.entropy_sum / self.entropy_tokens
         if self.loss_tokens:
             out["clip_fraction"] = self.clipped_tokens / self.loss_tokens
+        if self.behaviour_tokens:
+            out["off_policy_weight"] = self.behaviour_weight_sum / self.behaviour_tokens
+            out["off_policy_capped_fraction"] = self.behaviour_capped / self.behaviour_tokens
+            out["behaviour_log_ratio_abs"] = (self.behaviour_log_ratio_abs_sum
+                                              / self.behaviour_tokens)
         if self.adv_tokens:
             mean = self.adv_sum / self.adv_tokens
             out["advantage_mean"] = mean
