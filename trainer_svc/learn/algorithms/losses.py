@@ -76,19 +76,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from shared.algorithm import AlgorithmConfig, KlEstimator, LossAgg, OffPolicy, PolicyLoss
+
+# LOG_RATIO_CLAMP is defined beside the off-policy weights, which share it (re-exported).
+from trainer_svc.learn.algorithms.off_policy import LOG_RATIO_CLAMP as LOG_RATIO_CLAMP
+from trainer_svc.learn.algorithms.off_policy import Weights
 from trainer_svc.learn.algorithms.stats import TrainStats
-
-if TYPE_CHECKING:  # off_policy imports this module's LOG_RATIO_CLAMP
-    from trainer_svc.learn.algorithms.off_policy import Weights
-
-# Bound on every exponentiated log-ratio (module doc): exp(20) = 4.9e8 is finite in float32
-# (and bfloat16), whose exp overflows above ~88.7; veRL clamps the PPO log-ratio to +-20 too.
-LOG_RATIO_CLAMP = 20.0
 
 # --- aggregation -------------------------------------------------------------------------
 

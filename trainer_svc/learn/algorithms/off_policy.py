@@ -44,7 +44,11 @@ from dataclasses import dataclass
 import torch
 
 from shared.algorithm import OffPolicy
-from trainer_svc.learn.algorithms.losses import LOG_RATIO_CLAMP
+
+# Bound on every exponentiated log-ratio (losses' module doc), here and in the objective:
+# exp(20) = 4.9e8 is finite in float32 (and bfloat16), whose exp overflows above ~88.7; veRL
+# clamps the PPO log-ratio to +-20 too.
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True, slots=True)
