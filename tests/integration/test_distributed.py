@@ -53,7 +53,9 @@ SHAPE = RunShape(max_new_tokens=8, temperature=1.0, groups_per_step=5)
 CASES: dict[str, dict[str, Any]] = {
     "grpo": {},
     "reinforce_pp_baseline": {"kl_coef": 0.05, "entropy_coef": 0.01, "updates_per_step": 2},
-    "dapo": {"updates_per_step": 2, "minibatches": 2},
+    # Dynamic sampling (opt-in, as the preset now says): steps of fewer groups than
+    # groups_per_step, whose mini-batches are known only at the barrier.
+    "dapo": {"updates_per_step": 2, "minibatches": 2, "dynamic_sampling": True},
     "dr_grpo": {},
     "rloo": {},
     "reinforce_pp": {},
