@@ -70,6 +70,7 @@ class Step:
     regenerated: int = 0
     tool_calls: int = 0
     tool_s: float = 0.0  # summed over the step's calls
+    reprefilled: int = 0  # context tokens prefilled again after a version swap mid-response
 
 
 @dataclass
@@ -78,6 +79,12 @@ class Trainer:
     busy_s: float = 0.0
     training: bool = False
     finishing: bool = False
+
+
+def off_policy(r: Response) -> int:
+    """Tokens of ``r`` sampled by a version older than its step's."""
+    ends = [i for i, _ in r.versions[1:]] + [r.length]
+    return sum(end - i for (i, v), end in zip(r.versions, ends, strict=True) if v < r.step)
 
 
 class Simulator:
@@ -385,6 +392,8 @@ class Simulator:
         again (the KV cache was computed with the old weights)."""
         resume = max(inst.seg_start, self.clock.now)  # a pause already under way stays
         self._cut(inst)
+        if self.step is not None:
+            self.step.reprefilled += sum(r.prompt_tokens + r.committed for r in inst.active)
         inst.seg_start = max(inst.seg_start, resume) + load_s
         inst.queue.extendleft(reversed(inst.active))
         inst.active = []
@@ -516,6 +525,8 @@ class Simulator:
             "tail_s": barrier_at - step.started - window,
             "opened_at": step.opened, "oldest_version": min(
                 (v for r in step.responses for _, v in r.versions), default=step.index),
+            "tokens_off_policy": sum(off_policy(r) for r in step.responses),
+            "tokens_reprefilled": step.reprefilled,
             "train_tail_s": now - self.costs.report_s - barrier_at - self.costs.publish_s
             - self.costs.compute.optimizer_step_s,
         }

@@ -37,6 +37,7 @@ def test_staleness_zero_is_the_synchronous_simulator_bit_for_bit() -> None:
     assert [r["finished_at"] for r in sim.records] == SYNC_ENDS
     assert [r["migrations"] for r in sim.records] == SYNC_MIGRATIONS
     assert all(r["opened_at"] == r["started_at"] for r in sim.records)
+    assert all(r["tokens_off_policy"] == r["tokens_reprefilled"] == 0 for r in sim.records)
     # Every response of a synchronous step is one version's: its step's.
     assert sim.audit and all(a[4] == ((0, a[0]),) for a in sim.audit)
 
@@ -46,14 +47,15 @@ def test_no_trained_token_is_older_than_the_staleness_bound(k: int) -> None:
     # Preemptions move responses mid-flight and spot instances swap versions under them: each
     # response's version changes still lie in [step - k, step], start at its first token, and
     # every response of every trained step completes once with exactly its tokens.
+    work = replace(WORK, prompts=32)  # enough work that spot instances are busy at a swap
     for policy in (stale(k), stale(k, replace(RLBOOST, migration="request"))):
-        sim = Simulator(WORK, PULLED, CHURN, policy, audit=True)
+        sim = Simulator(work, PULLED, CHURN, policy, audit=True)
         sim.run(60.0)
         trained = {r["step"] for r in sim.records}
         assert sim.audit is not None and len(trained) >= 5
         done = [a for a in sim.audit if a[0] in trained]
         keys = [a[:3] for a in done]
-        assert len(keys) == len(set(keys)) == WORK.prompts * WORK.samples * len(trained)
+        assert len(keys) == len(set(keys)) == work.prompts * work.samples * len(trained)
         assert all(a[3] == 0 for a in done)
         for step, _, _, _, versions in done:
             assert versions[0][0] == 0, versions
@@ -63,6 +65,9 @@ def test_no_trained_token_is_older_than_the_staleness_bound(k: int) -> None:
         assert any(v == step - k for step, _, _, _, vs in done for _, v in vs)
         assert any(len(vs) > 1 for *_, vs in done)
         assert min(r["oldest_version"] - r["step"] for r in sim.records) == -k
+        assert all(0 <= r["tokens_off_policy"] <= r["tokens"] for r in sim.records)
+        assert sum(r["tokens_off_policy"] for r in sim.records) > 0
+        assert sum(r["tokens_reprefilled"] for r in sim.records) > 0  # swaps were charged
 
 
 def test_agentic_responses_keep_the_bound_across_tool_calls() -> None:
