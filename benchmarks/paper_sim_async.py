@@ -80,11 +80,6 @@ def section(rows: list[Row], provenance: str, figures: str) -> str:
     by = {(r.model, r.trace, r.staleness): r.run.tokens_per_s for r in rows}
     flat_keys = [(m, t) for m, t, k in by if k == 2 and by[m, t, 2] < 1.01 * by[m, t, 1]]
     flat = [f"{m[4:]} {t}" for m, t in flat_keys]
-    deep = sum(1 for r in rows if (r.model, r.trace) in flat_keys and r.staleness == 2
-               for s in r.run.steps if s["oldest_version"] <= s["step"] - 2)
-    steps = sum(len(r.run.steps) for r in rows if (r.model, r.trace) in flat_keys
-                and r.staleness == 2)
-    two_back = f"{deep} of their {steps} steps trained tokens from two versions back"
 
     def span(k: int, which: int) -> str:
         values = [g[which] for g in gains[k]]
@@ -110,10 +105,9 @@ def section(rows: list[Row], provenance: str, figures: str) -> str:
         "Both ratios move together: the trace decides the spot capacity billed and the "
         "reserved GPUs are billed throughout, so a run pays the same per second whatever its "
         "staleness. "
-        + (f"Where staleness 2 adds under 1 % to staleness 1 ({', '.join(flat)}), the spot "
-           "instances seldom ran out of the next step's responses before the trainer came to "
-           f"it ({two_back}), so a second step ahead gave them little more to do. "
-           if flat else "")
+        + (f"Staleness 2 adds under 1 % to staleness 1 for {', '.join(flat)}: there the "
+           "next step's responses already keep the spot instances busy through the trainer's "
+           "step, so a second step ahead has little to add. " if flat else "")
         + "What favours asynchrony here: the spot instances that synchronously sit idle through "
         "a step's tail (its last, longest responses), its training, the publish and their "
         "weight pull now generate the next steps' responses, and the trainer's step is "
