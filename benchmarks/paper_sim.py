@@ -15,7 +15,9 @@ Writes ``docs/results/paper-sim.md`` and ``sim-*.png``, and regenerates the resu
 each file's figure links are relative to that file, so both render where they stand. The
 agentic workload (:mod:`benchmarks.paper_sim_agentic`) goes to ``paper-sim-agentic.md``,
 ``sim-agentic.png`` and the page's ``paper-sim-agentic`` markers; ``--only agentic`` runs that
-part alone.
+part alone. The asynchronous rows (:mod:`benchmarks.paper_sim_async`: staleness 1 and 2 beside
+the synchronous runs) go to ``paper-sim-async.md``, ``sim-async.png`` and the page's
+``paper-sim-async`` markers; ``--only async`` runs them alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks import paper_sim_agentic as agentic
+from benchmarks import paper_sim_async as asynchronous
 from benchmarks import paper_sim_plots as plots
 from benchmarks.trace import load
 from rollout_svc.engines.emu_models import serving_model
@@ -58,6 +61,7 @@ SWEEP = [0.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0, 600.0]
 PAGE_BEGIN, PAGE_END = "<!-- paper-sim:begin -->", "<!-- paper-sim:end -->"
 AGENTIC_BEGIN = "<!-- paper-sim-agentic:begin -->"
 AGENTIC_END = "<!-- paper-sim-agentic:end -->"
+ASYNC_BEGIN, ASYNC_END = "<!-- paper-sim-async:begin -->", "<!-- paper-sim-async:end -->"
 FIGURES = [("throughput and tokens per $", "sim-headline.png"),
            ("spot capacity", "sim-sensitivity.png"), ("ablations", "sim-ablations.png"),
            ("time breakdown", "sim-breakdown.png"),
@@ -106,14 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-page", type=Path, default=Path("docs/results-simulated.md"),
                         help="the page whose paper-sim section is regenerated")
     parser.add_argument("--steps", type=int, default=16, help="steps of the seeding comparison")
-    parser.add_argument("--only", choices=["all", "agentic"], default="all",
+    parser.add_argument("--only", choices=["all", "agentic", "async"], default="all",
                         help="agentic: only the agentic workload's section (and its own "
-                        "single-turn runs)")
+                        "single-turn runs); async: only the staleness rows (and their own "
+                        "synchronous runs)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.only == "agentic":
         write_agentic(args.out, args.results_page, None, started)
+        return 0
+    if args.only == "async":
+        write_async(args.out, args.results_page, None, started)
         return 0
     sections: list[str] = []
 
@@ -178,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     singles = {t: (grid["emu-8b", t, 1.0][0].outcome, grid["emu-8b", t, 1.0][1].outcome)
                for t in TRACES}
     write_agentic(args.out, args.results_page, singles, started)
+    syncs = {(m, t): (grid[m, t, 1.0][0].outcome, grid[m, t, 1.0][1].outcome)
+             for m in MODELS for t in TRACES}
+    write_async(args.out, args.results_page, syncs, started)
     return 0
 
 
@@ -199,6 +210,27 @@ def write_agentic(out: Path, page: Path, singles: dict[str, tuple[Outcome, Outco
     print(body(out))
     replace_section(page, body(page.parent), AGENTIC_BEGIN, AGENTIC_END)
     print(f"\nwrote {out}/paper-sim-agentic.md, sim-agentic.png and {page}'s agentic section "
+          f"({time.monotonic() - started:.0f}s in all)")
+
+
+def write_async(out: Path, page: Path,
+                syncs: dict[tuple[str, str], tuple[Outcome, Outcome]] | None,
+                started: float) -> None:
+    """The staleness rows: their runs (the synchronous ones from ``syncs`` if given), figure,
+    file and the page's section."""
+    clusters = {(m, t): cluster_for(t, m, 1.0) for m in MODELS for t in TRACES}
+    rows = asynchronous.simulate_rows(clusters, SEGMENT_S, syncs)
+    asynchronous.plot(rows, out / "sim-async.png")
+    provenance = ("`make bench-paper-sim` (this section alone: "
+                  f"`python -m benchmarks.paper_sim --only async`) at commit `{commit()}`.")
+
+    def body(where: Path) -> str:
+        return asynchronous.section(rows, provenance, figures_from(where, out))
+
+    (out / "paper-sim-async.md").write_text(body(out) + "\n")
+    print(body(out))
+    replace_section(page, body(page.parent), ASYNC_BEGIN, ASYNC_END)
+    print(f"\nwrote {out}/paper-sim-async.md, sim-async.png and {page}'s asynchronous section "
           f"({time.monotonic() - started:.0f}s in all)")
 
 

@@ -112,6 +112,13 @@ class Policy:
     migration: str = "token"  # token | request
     midstep_join: bool = True
     rebalance: bool = True
+    # Bounded staleness (issue 39): step m's rollout may start once version m - k is published,
+    # so steps n+1 .. n+k roll out while step n trains; 0 is the synchronous protocol.
+    staleness: int = 0
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise ValueError(f"policy {self.name}: staleness {self.staleness} must be >= 0")
 
 
 RESERVED_ONLY = Policy("reserved-only", spot=False, seeding="off")

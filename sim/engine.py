@@ -38,6 +38,10 @@ class Response:
     tool_s: tuple[float, ...] = ()
     observation_tokens: int = 0
     turn: int = 0  # the model turn it is in
+    step: int = 0  # the step it belongs to
+    # (first token index, weight version) at each change of version: the run's
+    # ``response_versions``; one entry in a synchronous run.
+    versions: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def stop(self) -> int:

@@ -2,7 +2,9 @@
 
 SIMULATION. Spot instances appear when the trace's count rises (billed from then, usable after
 boot + engine start), pull the current version over the weight service's link, shared by every
-pull in flight (plus what peers that hold the version serve), then load it into HBM. When the
+pull in flight (plus what peers that hold the version serve), then load it into HBM. In an
+asynchronous run (``publish(..., keep_serving=True)``) a ready instance pulls in the background
+and generates on its old version meanwhile; only the load pauses its engine (``on_swap``). When the
 count falls, victims drawn with a seeded generator get a notice: they stop, hand their
 responses back, and stay billed through the grace period.
 """
@@ -34,12 +36,15 @@ class Fleet:
     on_notice: Callable[[Instance], None]  # an instance is leaving: take its work back
     seed: int = 0
     on_change: Callable[[], None] | None = None  # the registered spot count may have moved
+    # A ready instance's background pull is done: its engine stops for the load (seconds).
+    on_swap: Callable[[Instance, float], None] | None = None
     instances: list[Instance] = field(default_factory=list)
     version: int = 0  # the newest published version
     _pulls: list[Pull] = field(default_factory=list)
     _pull_serial: int = 0
     _pull_at: float = 0.0
     _serial: int = 0
+    _background: set[str] = field(default_factory=set)  # ids pulling while they serve
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -100,14 +105,17 @@ class Fleet:
 
     # --- versions and pulls -----------------------------------------------------------------
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int, keep_serving: bool = False) -> None:
         """A new version exists: the reserved side swaps it in device memory, every spot
-        instance pulls it."""
+        instance pulls it; with ``keep_serving`` a ready one goes on generating meanwhile."""
         self.version = version
         for inst in self.instances:
             if inst.kind == "reserved":
                 inst.state = "loading"
                 self.clock.after(self.costs.serving.swap_s, partial(self._loaded, inst, version))
+            elif keep_serving and inst.state == "ready":
+                self._background.add(inst.id)
+                self._start_pull(inst)
             elif inst.state in ("ready", "loading"):
                 inst.state = "loading"
                 self._start_pull(inst)
@@ -153,11 +161,17 @@ class Fleet:
         self._schedule_pulls()
 
     def _pulled(self, inst: Instance, version: int) -> None:
+        # The load is scheduled first: at its end the version is in place before the paused
+        # engine's next segment begins (an event at the same instant runs in schedule order).
         self.clock.after(self.costs.load_s, partial(self._loaded, inst, version))
+        if inst.id in self._background and inst.state == "ready" and self.on_swap is not None:
+            self.on_swap(inst, self.costs.load_s)
 
     def _loaded(self, inst: Instance, version: int) -> None:
-        if inst.state != "loading" or version != self.version:
+        serving = inst.state == "ready" and inst.id in self._background
+        if not (inst.state == "loading" or serving) or version != self.version:
             return  # left meanwhile, or a newer version is on its way
+        self._background.discard(inst.id)
         inst.state, inst.version = "ready", version
         self._settle_pulls()  # a new holder serves peers from now on
         self._schedule_pulls()

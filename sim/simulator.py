@@ -10,6 +10,16 @@ unfinished responses to spot instances (token-level: they keep their committed t
 trains groups as they complete; after the barrier the trainer finishes, steps the optimizer
 and publishes the next version, which the reserved side swaps in and spot instances pull.
 
+Bounded staleness (``Policy.staleness`` k > 0, issue 39): step m's responses are created
+and leased once version m - k is published, oldest step first, to instances whose version is in
+[m - k, m], so a trained token is never more than k versions old. The step the trainer is on
+(``self.step``) keeps the synchronous step's seeding window and hand-off; spot instances keep
+generating across its barrier, pull new versions in the background and stop only to load them,
+after which the responses they hold continue on the new version (partial rollout) with their
+whole context prefilled again (AReaL's interrupt and re-prefill). The reserved side never
+generates while its GPUs train (the trainer takes its responses back first). With k = 0 only
+one step is ever open and every event is the synchronous protocol's.
+
 Agentic responses (:class:`sim.config.Turns`, docs/agentic.md): a model turn that ends before
 the response does hands the response back (its slot frees at once); its tool call runs on the
 reserved side's tool pool, taking no GPU; when the answer comes the observation's tokens are
@@ -38,12 +48,14 @@ from sim.turns import make_response
 @dataclass
 class Step:
     index: int
-    started: float
-    window: float
-    mode: str
     responses: list[Response]
+    started: float = 0.0  # when the trainer came to it (its version published)
+    window: float = 0.0
+    mode: str = "off"
+    opened: float = 0.0  # when its rollout could start: at ``started`` in a synchronous run
     pending: list[tuple[int, int, int]] = field(default_factory=list)  # heap: prompt, sample
     open_groups: list[int] = field(default_factory=list)  # responses left per prompt
+    queue: list[int] = field(default_factory=list)  # complete groups the trainer knows of
     remaining: int = 0
     window_over: bool = False
     window_serial: int = 0  # the pending window-end event carries it; a moved end is new
@@ -58,15 +70,21 @@ class Step:
     regenerated: int = 0
     tool_calls: int = 0
     tool_s: float = 0.0  # summed over the step's calls
+    reprefilled: int = 0  # context tokens prefilled again after a version swap mid-response
 
 
 @dataclass
 class Trainer:
-    queue: list[int] = field(default_factory=list)  # complete groups not yet trained
     busy_until: float = 0.0
     busy_s: float = 0.0
     training: bool = False
     finishing: bool = False
+
+
+def off_policy(r: Response) -> int:
+    """Tokens of ``r`` sampled by a version older than its step's."""
+    ends = [i for i, _ in r.versions[1:]] + [r.length]
+    return sum(end - i for (i, v), end in zip(r.versions, ends, strict=True) if v < r.step)
 
 
 class Simulator:
@@ -82,12 +100,16 @@ class Simulator:
         self.seeding = SeedingState(window_s=policy.window_s or initial_window_s)
         self.trainer = Trainer()
         self.records: list[dict[str, Any]] = []
-        self.step: Step | None = None
+        self.step: Step | None = None  # the trainer's step
+        self.open: dict[int, Step] = {}  # steps whose rollout has begun, not yet trained
+        self.fleet.on_swap = self._swap
         self._idle_since: dict[str, float] = {}
         self._rebalanced: dict[str, float] = {}
         self._completed = 0
-        # With ``audit``: (step, prompt, sample, tokens) of every completion, for the tests.
-        self.audit: list[tuple[int, int, int, int]] | None = [] if audit else None
+        # With ``audit``: (step, prompt, sample, tokens left, versions) of every completion,
+        # for the tests; versions are the response's (first token index, version) changes.
+        self.audit: list[tuple[int, int, int, int, tuple[tuple[int, int], ...]]] | None = \
+            [] if audit else None
         # Stepping by hand (the hindsight sweep): a finished step does not start the next;
         # ``begin_step`` does, with ``force_window`` over the controller's choice if set.
         self.manual = False
@@ -121,8 +143,28 @@ class Simulator:
 
     # --- the step -----------------------------------------------------------------------
 
-    def _start_step(self, index: int) -> None:
+    def _open_step(self, index: int) -> Step:
+        """Step ``index``'s responses, pending: its rollout may begin."""
         w = self.workload
+        responses: list[Response] = []
+        for p in range(w.prompts):
+            for s in range(w.samples):
+                r = make_response(w, index, p, s, len(responses))
+                r.step = index
+                responses.append(r)
+        step = Step(index, responses, opened=self.clock.now,
+                    open_groups=[w.samples] * w.prompts, remaining=len(responses))
+        step.pending = [(r.prompt, r.sample, n) for n, r in enumerate(responses)]
+        heapq.heapify(step.pending)
+        self.open[index] = step
+        return step
+
+    def _start_step(self, index: int) -> None:
+        """Version ``index`` is published: the trainer comes to step ``index``, and every step
+        up to ``index + staleness`` may roll out."""
+        for m in range(index, index + self.policy.staleness + 1):
+            if m not in self.open:
+                self._open_step(m)
         spot_alive = placement.spot_count(self._registered())
         mode = self.policy.seeding if self.policy.spot else "off"
         if self.force_window is not None and mode != "off":
@@ -132,19 +174,15 @@ class Simulator:
         else:
             window = self.policy.window_s if mode == "fixed" else 0.0
         self.seeding.window_s, self.seeding.spot_count = window, spot_alive
-        responses: list[Response] = []
-        for p in range(w.prompts):
-            for s in range(w.samples):
-                responses.append(make_response(w, index, p, s, len(responses)))
-        step = Step(index, self.clock.now, window, mode, responses,
-                    open_groups=[w.samples] * w.prompts, remaining=len(responses))
-        step.pending = [(r.prompt, r.sample, n) for n, r in enumerate(responses)]
-        heapq.heapify(step.pending)
+        step = self.open[index]
+        step.started, step.window, step.mode = self.clock.now, window, mode
         step.reserved_free = mode == "off" and spot_alive > 0
         step.window_over = mode == "off"
         self.step = step
         if mode != "off":
             self.clock.after(window, partial(self._window_end, step, step.window_serial))
+        if step.barrier_seen:  # rolled out ahead while the last step trained: train it now
+            self._train_next()
         self._dispatch()
         self._tick(step)
 
@@ -173,6 +211,10 @@ class Simulator:
             rows = placement.joined_in_time(rows, self.step.started)
         return rows
 
+    def _rolling(self) -> list[Step]:
+        """Open steps with responses not yet complete, oldest first."""
+        return [s for _, s in sorted(self.open.items()) if s.barrier_at is None]
+
     def _window_end(self, step: Step, serial: int) -> None:
         if step is not self.step or step.barrier_at is not None or serial != step.window_serial:
             return
@@ -192,8 +234,9 @@ class Simulator:
             self._dispatch()
 
     def _tick(self, step: Step) -> None:
-        """The dispatcher's periodic pass (its rebalancing needs time to pass)."""
-        if step is not self.step or step.barrier_at is not None:
+        """The dispatcher's periodic pass (its rebalancing needs time to pass), one chain from
+        each trainer step's start while any open step is still rolling out."""
+        if step is not self.step or not self._rolling():
             return
         self._dispatch()
         self.clock.after(self.costs.dispatch_interval_s, partial(self._tick, step))
@@ -201,30 +244,35 @@ class Simulator:
     # --- dispatch: the manager's placement policy ----------------------------------------
 
     def _dispatch(self) -> None:
-        step = self.step
-        if step is None or step.barrier_at is not None:
+        step, rolling = self.step, self._rolling()
+        if step is None or not rolling:
             return
         everyone = self._registered()
-        ready = [i for i in everyone if i["state"] == "ready"
-                 and i["obj"].version == step.index]
         in_window = step.mode != "off" and not step.window_over
-        ready = placement.takers(ready, in_window, in_window or placement.spot_alive(everyone))
-        if not ready:
-            return
-        if step.pending:
-            for row, room in placement.lease_plan(len(step.pending), ready):
+        takers = placement.takers([i for i in everyone if i["state"] == "ready"], in_window,
+                                  in_window or placement.spot_alive(everyone))
+        if self.policy.staleness and (self.trainer.training or self.trainer.finishing):
+            takers = [i for i in takers if i["kind"] != "reserved"]  # its GPUs train
+        k = self.policy.staleness
+        for s in rolling:  # oldest first; an instance serves a step within k versions of it
+            if not s.pending:
+                continue
+            ready = [i for i in takers if s.index - k <= i["obj"].version <= s.index]
+            for row, room in placement.lease_plan(len(s.pending), [i["obj"].row()
+                                                                   for i in ready]):
                 inst: Instance = row["obj"]
                 batch = []
-                while room > 0 and step.pending:
-                    batch.append(step.responses[heapq.heappop(step.pending)[2]])
+                while room > 0 and s.pending:
+                    batch.append(s.responses[heapq.heappop(s.pending)[2]])
                     room -= 1
                 for r in batch:
                     r.owner = inst
                     inst.held.append(r)
                 self.clock.after(self.costs.control_s, partial(self._deliver, inst, batch))
-            if step.pending:
+            if s.pending:
                 return
-        if self.skew:
+        ready = [i for i in takers if i["obj"].version >= rolling[0].index - k]
+        if self.skew and ready:
             self._rebalance(ready)
 
     def _rebalance(self, ready: list[dict[str, Any]]) -> None:
@@ -238,7 +286,7 @@ class Simulator:
         busy, _, count = chosen
         self._rebalanced[busy["id"]] = now
         inst: Instance = busy["obj"]
-        by_id = {f"{r.prompt}:{r.sample}": r for r in inst.held}
+        by_id = {f"{r.step}:{r.prompt}:{r.sample}": r for r in inst.held}
         move = placement.least_advanced([(k, r.committed) for k, r in by_id.items()], count)
         self._take_back(inst, [by_id[k] for k in move], flush=False)
         self.clock.after(0.0, self._dispatch)
@@ -252,8 +300,6 @@ class Simulator:
 
     def _take_back(self, inst: Instance, rids: list[Response], flush: bool) -> None:
         """Revoke ``rids`` from ``inst``: back to pending, with what survives the move."""
-        step = self.step
-        assert step is not None
         self._cut(inst)
         gone = set(map(id, rids))
         inst.held = [r for r in inst.held if id(r) not in gone]
@@ -267,6 +313,8 @@ class Simulator:
             keep = max(keep, r.turn_start)  # a committed turn end and observation stay
             if self.policy.migration == "request":
                 keep, r.turn = 0, 0  # the trajectory from its start (tools run again)
+            r.versions = [v for v in r.versions if v[0] < keep]
+            step = self.open[r.step]
             step.regenerated += r.committed - keep
             r.committed, r.owner = keep, None
             r.moves += 1
@@ -278,7 +326,7 @@ class Simulator:
         self._dispatch()
 
     def _on_notice(self, inst: Instance) -> None:
-        if self.step is not None and inst.held:
+        if inst.held:
             self._take_back(inst, list(inst.held), flush=True)
         self.clock.after(0.0, self._dispatch)
 
@@ -287,7 +335,7 @@ class Simulator:
     def _cut(self, inst: Instance) -> None:
         """Stop the running segment at the next decode-step boundary."""
         end = engine.boundary(inst, self.clock.now)
-        self._finish(inst, engine.advance(inst, self.clock.now, cut=True))
+        self._finish(inst, self._advance(inst, cut=True))
         inst.seg_start = end  # the engine is busy until then
 
     def _touch(self, inst: Instance) -> None:
@@ -321,23 +369,48 @@ class Simulator:
     def _segment_end(self, inst: Instance, serial: int) -> None:
         if serial != inst.seg_serial:
             return
-        self._finish(inst, engine.advance(inst, self.clock.now, cut=False))
+        self._finish(inst, self._advance(inst, cut=False))
         inst.seg_start = self.clock.now
         self._begin(inst, inst.seg_serial)
         self._dispatch()
 
+    def _advance(self, inst: Instance, cut: bool) -> tuple[list[Response], int]:
+        """:func:`sim.engine.advance`, noting the version of each response's new tokens: one
+        segment runs on one version (a swap cuts it)."""
+        batch = list(inst.active)
+        done = engine.advance(inst, self.clock.now, cut)
+        steps, version = done[1] // max(1, len(batch)), inst.version  # each made ``steps``
+        if steps:
+            for r in batch:
+                if not r.versions or r.versions[-1][1] != version:
+                    r.versions.append((r.committed - steps, version))
+        return done
+
+    def _swap(self, inst: Instance, load_s: float) -> None:
+        """A serving instance has pulled a new version: its engine stops at the next decode
+        step for the load, then prefills the whole context of every response it was running
+        again (the KV cache was computed with the old weights)."""
+        resume = max(inst.seg_start, self.clock.now)  # a pause already under way stays
+        self._cut(inst)
+        if self.step is not None:
+            self.step.reprefilled += sum(r.prompt_tokens + r.committed for r in inst.active)
+        inst.seg_start = max(inst.seg_start, resume) + load_s
+        inst.queue.extendleft(reversed(inst.active))
+        inst.active = []
+        self._restart(inst)
+
     def _finish(self, inst: Instance, done: tuple[list[Response], int]) -> None:
         finished, tokens = done
         step = self.step
-        if step is None:
-            return
-        if inst.kind == "spot":
-            step.tokens_spot += tokens
-        else:
-            step.tokens_reserved += tokens
-            if tokens:
-                step.reserved_last_at = self.clock.now
+        if step is not None:  # what the reserved side and spot made while the trainer was here
+            if inst.kind == "spot":
+                step.tokens_spot += tokens
+            else:
+                step.tokens_reserved += tokens
+                if tokens:
+                    step.reserved_last_at = self.clock.now
         for r in finished:
+            step = self.open[r.step]
             if r.committed < r.length:  # a model turn ended: its tool call, off the GPU
                 r.owner = None
                 inst.held.remove(r)
@@ -351,19 +424,20 @@ class Simulator:
             step.remaining -= 1
             self._completed += 1
             if self.audit is not None:
-                self.audit.append((step.index, r.prompt, r.sample, r.committed - r.length))
+                self.audit.append((step.index, r.prompt, r.sample, r.committed - r.length,
+                                   tuple(r.versions)))
             step.open_groups[r.prompt] -= 1
             if step.open_groups[r.prompt] == 0:
-                self._to_trainer(partial(self.trainer.queue.append, r.prompt))
-        if step.remaining == 0 and step.barrier_at is None:
-            step.barrier_at = self.clock.now
-            self._to_trainer(partial(setattr, step, "barrier_seen", True))
+                self._to_trainer(partial(step.queue.append, r.prompt))
+            if step.remaining == 0 and step.barrier_at is None:
+                step.barrier_at = self.clock.now
+                self._to_trainer(partial(setattr, step, "barrier_seen", True))
         if finished:
             self._train_next()
 
     def _answered(self, step: Step, r: Response) -> None:
         """A tool call's answer: the observation is committed, the next turn is pending."""
-        if step is not self.step:
+        if self.open.get(step.index) is not step:
             return
         r.turn += 1
         r.committed = r.turn_start
@@ -388,18 +462,23 @@ class Simulator:
         t, step = self.trainer, self.step
         if step is None or t.training or t.finishing:
             return
-        if t.queue and (step.reserved_free or step.barrier_seen):
-            prompt = t.queue.pop(0)
+        if step.queue and (step.reserved_free or step.barrier_seen):
+            prompt = step.queue.pop(0)
             group = step.responses[prompt * self.workload.samples:
                                    (prompt + 1) * self.workload.samples]
             tokens = sum(r.prompt_tokens + r.length for r in group)
             self._busy(tokens * self.costs.compute.seconds_per_token, self._trained)
-        elif not t.queue and step.barrier_seen:
+        elif not step.queue and step.barrier_seen:
             t.finishing = True
             self._busy(self.costs.compute.optimizer_step_s + self.costs.publish_s,
                        self._published)
 
     def _busy(self, seconds: float, then: Any) -> None:
+        if self.policy.staleness:  # the reserved GPUs train now: what they run goes back
+            for inst in self.fleet.instances:
+                if inst.kind == "reserved" and inst.held:
+                    self._take_back(inst, list(inst.held), flush=True)
+            self.clock.after(0.0, self._dispatch)
         self.trainer.training = True
         self.trainer.busy_s += seconds
         self.clock.after(seconds, then)
@@ -418,19 +497,23 @@ class Simulator:
         step, t = self.step, self.trainer
         assert step is not None and step.barrier_at is not None
         now = self.clock.now
+        # A step rolled out ahead reached its barrier before the trainer came to it: for the
+        # trainer's spans it came when the step started.
+        barrier_at = max(step.barrier_at, step.started)
         # Trained tokens: what the model sampled (observations are masked out of the loss).
         tokens = sum(r.length - r.observed for r in step.responses)
-        window = min(step.window, step.barrier_at - step.started)
+        window = min(step.window, barrier_at - step.started)
         # The span the reserved side generated over, as the manager measures it: the window,
         # or, never handed off (no spot to take the work), until its last token.
-        last = step.reserved_last_at if step.reserved_last_at is not None else step.barrier_at
-        generated = min(last, step.barrier_at) - step.started if not step.reserved_free \
+        last = step.reserved_last_at if step.reserved_last_at is not None else barrier_at
+        generated = min(last, barrier_at) - step.started if not step.reserved_free \
             else window
-        spot_first = step.spot_first_at if step.spot_first_at is not None else step.barrier_at
+        spot_first = barrier_at if step.spot_first_at is None else \
+            min(step.spot_first_at, barrier_at)
         record = {
             "step": step.index, "tokens": tokens, "responses": len(step.responses),
             "started_at": step.started, "finished_at": now, "step_s": now - step.started,
-            "rollout_s": step.barrier_at - step.started, "train_s": t.busy_s,
+            "rollout_s": barrier_at - step.started, "train_s": t.busy_s,
             "trainer_idle_s": now - self.costs.report_s - step.started - t.busy_s,
             "publish_s": self.costs.publish_s, "seeding_window_s": step.window,
             "window_seen_s": window, "tokens_reserved": step.tokens_reserved,
@@ -438,9 +521,13 @@ class Simulator:
             "tokens_regenerated": step.regenerated, "spot_count": self.seeding.spot_count,
             "tool_calls": step.tool_calls, "tool_s": step.tool_s,
             "spot_first_s": spot_first - step.started,
-            "reserved_last_s": min(last, step.barrier_at) - step.started,
-            "tail_s": step.barrier_at - step.started - window,
-            "train_tail_s": now - self.costs.report_s - step.barrier_at - self.costs.publish_s
+            "reserved_last_s": min(last, barrier_at) - step.started,
+            "tail_s": barrier_at - step.started - window,
+            "opened_at": step.opened, "oldest_version": min(
+                (v for r in step.responses for _, v in r.versions), default=step.index),
+            "tokens_off_policy": sum(off_policy(r) for r in step.responses),
+            "tokens_reprefilled": step.reprefilled,
+            "train_tail_s": now - self.costs.report_s - barrier_at - self.costs.publish_s
             - self.costs.compute.optimizer_step_s,
         }
         registered = self._registered()
@@ -449,14 +536,15 @@ class Simulator:
         observe(self.seeding, {
             "tokens": tokens, "tokens_reserved": step.tokens_reserved,
             "tokens_spot": step.tokens_spot, "window_s": generated, "train_s": t.busy_s,
-            "spot_ready_s": spot_first - step.started, "spot_busy_s": step.barrier_at - spot_first,
+            "spot_ready_s": spot_first - step.started, "spot_busy_s": barrier_at - spot_first,
             "spot_count": spot_now, "publish_s": self.costs.publish_s,
             "reserved_count": sum(1 for i in registered if i["kind"] == "reserved"),
             "spot_joined": [float(i["joined_at"]) - step.started for i in spot_rows]})
         self.records.append(record)
         self.trainer = Trainer()
         self.step = None
-        self.fleet.publish(step.index + 1)
+        del self.open[step.index]
+        self.fleet.publish(step.index + 1, keep_serving=self.policy.staleness > 0)
         if not self.manual:
             self._start_step(step.index + 1)
 
