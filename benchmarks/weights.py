@@ -1,4 +1,4 @@
-"""``make bench-weights``: weight transfer against raw loopback TCP, and peer fan-out, one run.
+"""``make bench-weights``: weight transfer against raw TCP, peer fan-out and delta versions.
 
 Everything is real and on this machine: a ``python -m weight_svc`` process serving a synthetic
 checkpoint (random bytes, ``--gib`` GiB, 64 MiB chunks), pullers using ``shared.weights``.
@@ -20,6 +20,11 @@ Printed, all measured in this run:
    multiple of the checkpoint size. With fan-out each joiner runs a PeerServer offering the chunks
    it has verified so far (chunk-level availability) and takes chunks from the others.
 
+5. delta versions (:mod:`benchmarks.weights_delta`): over ``--steps`` real training steps of a
+   Qwen2-shaped model, the bytes per version a puller holding the version before pulls (the
+   delta) against the version's full bytes, and both pull times, in the same run. ``--only
+   transfer`` or ``--only delta`` runs one part.
+
 Pullers write to /dev/shm when it exists: the link and the protocol are measured, not the disk
 (fsync on tmpfs is free; on the VM disk here it costs ~2 s per GiB whatever the protocol).
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -40,11 +46,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 
+from benchmarks import weights_delta
 from shared.weights import PeerServer, pull_version, upload_version
 
 REPO = Path(__file__).resolve().parent.parent
@@ -200,19 +208,65 @@ def joiners(url: str, root: Path, n: int, peers: bool) -> tuple[float, list[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("all", "transfer", "delta"), default="all")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--joiners", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
+    delta = ap.add_argument_group("delta versions (benchmarks/weights_delta.py)")
+    delta.add_argument("--steps", type=int, default=10)
+    delta.add_argument("--layers", type=int, default=4)
+    delta.add_argument("--hidden", type=int, default=512)
+    delta.add_argument("--lr", type=float, default=1e-6)
+    delta.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--joiner", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.joiner:
         joiner(args.joiner[0], Path(args.joiner[1]), args.joiner[2] == "1")
         return
-    root = Path(tempfile.mkdtemp(prefix="rlboost-bench-weights-", dir="/tmp"))
+    if args.only in ("all", "transfer"):
+        bench_transfer(args)
+    if args.only in ("all", "delta"):
+        bench_deltas(args)
+
+
+def bench_deltas(args: argparse.Namespace) -> None:
+    """Section 5 (module doc): delta against full, per version, over real training steps."""
+    with workspace("deltas") as (root, pulls, _, url):
+        dtypes = args.dtypes.split(",")
+        started = time.perf_counter()
+        versions = weights_delta.train(root / "model", args.steps, args.layers, args.hidden,
+                                       args.lr, dtypes)
+        print(f"\n{args.steps} training steps ({args.layers} layers x {args.hidden}, AdamW lr "
+              f"{args.lr:g}) in {time.perf_counter() - started:.1f} s; every rebuilt version "
+              "equals the trainer's byte for byte (checked)")
+        for d in dtypes:
+            rows = weights_delta.measure(url, TOKEN, f"delta-{d}", versions[d], pulls)
+            weights_delta.report(d, rows)
+        d = dtypes[0]
+        print(weights_delta.corrupt_one(url, TOKEN, root / "data", f"delta-{d}", versions[d],
+                                        pulls))
+
+
+@contextlib.contextmanager
+def workspace(name: str) -> Iterator[tuple[Path, Path, subprocess.Popen[bytes], str]]:
+    """A scratch root, a directory for pulls (tmpfs where there is one) and a running weight
+    service over ``root/data``: (root, pulls, its process, its URL); all gone afterwards."""
+    root = Path(tempfile.mkdtemp(prefix=f"rlboost-bench-{name}-", dir="/tmp"))
     shm = Path("/dev/shm")
     pulls = Path(tempfile.mkdtemp(prefix="rlboost-bench-pulls-", dir=shm if shm.is_dir() else root))
     proc, url = start_service(root / "data")
     try:
+        yield root, pulls, proc, url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(pulls, ignore_errors=True)
+
+
+def bench_transfer(args: argparse.Namespace) -> None:
+    """Sections 1-4 (module doc): one puller against raw TCP, then joiners with fan-out."""
+    with workspace("weights") as (root, pulls, proc, url):
         size = make_checkpoint(root / "model", args.gib)
         asyncio.run(upload_version(url, TOKEN, RUN, 1, root / "model", timeout_s=120))
         weights = root / "model" / "model.safetensors"
@@ -239,11 +293,6 @@ def main() -> None:
             wall, times = joiners(url, pulls / f"join{int(peers)}", args.joiners, peers)
             results[peers] = (wall, max(times), (egress(url) - before) / size)
             shutil.rmtree(pulls / f"join{int(peers)}")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(pulls, ignore_errors=True)
 
     print(f"\ncheckpoint {size / (1 << 30):.2f} GiB, {CHUNK >> 20} MiB chunks, "
           f"{CPUS} CPUs, pulls into {pulls.parent}; best of {args.repeat}")

@@ -55,7 +55,7 @@ from shared.protocol import (
     encode,
 )
 from shared.settings import reveal
-from shared.weights import PeerServer, pull_version
+from shared.weights import PeerServer, PullStats, pull_version
 
 log = logging.getLogger("rollout")
 
@@ -77,6 +77,22 @@ class RolloutMetrics:
         self.load_seconds = Histogram("rlboost_rollout_weight_load_seconds",
                                       "Pull + load time of a weight version",
                                       registry=self.registry)
+        self.pulls = Counter("rlboost_rollout_weight_pulls_total",
+                             "Weight versions pulled, by kind: full, delta or local",
+                             ["kind"], registry=self.registry)
+        self.pulled_bytes = Counter("rlboost_rollout_weight_pulled_bytes_total",
+                                    "Bytes a pull fetched, by what: delta, service or peers",
+                                    ["what"], registry=self.registry)
+        self.delta_fallbacks = Counter(
+            "rlboost_rollout_delta_fallbacks_total",
+            "Offered deltas not used (a full pull instead), by reason: no_base, corrupt, "
+            "error, mismatch", ["reason"], registry=self.registry)
+
+    def count_pull(self, stats: PullStats) -> None:
+        self.pulls.labels(stats.kind).inc()
+        for what, n in (("delta", stats.delta_bytes), ("service", stats.bytes_from_service),
+                        ("peers", stats.bytes_from_peers)):
+            self.pulled_bytes.labels(what).inc(n)
 
 
 @dataclass(slots=True)
@@ -269,9 +285,16 @@ class RolloutService:
         self.state = "loading"
         try:
             common = self.cfg.common
-            path = await pull_version(common.weights_url, reveal(common.weights_read_token), run_id,
-                                      version, self.weights_dir, timeout_s=30.0,
-                                      peers=True, serve=self.peer, tls=common.tls)
+            stats = PullStats()
+            try:
+                path = await pull_version(common.weights_url, reveal(common.weights_read_token),
+                                          run_id, version, self.weights_dir, timeout_s=30.0,
+                                          peers=True, serve=self.peer, tls=common.tls,
+                                          stats=stats)
+            finally:  # a pull that failed after its delta fell short counts that too
+                if stats.fallback is not None:
+                    self.metrics.delta_fallbacks.labels(stats.fallback).inc()
+            self.metrics.count_pull(stats)
             with self.metrics.load_seconds.time():
                 await asyncio.to_thread(self.engine.load, path, run_id, version)
         except Exception as exc:  # the next heartbeat retries; the instance stays usable

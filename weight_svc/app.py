@@ -19,6 +19,12 @@ uploads up to RLBOOST_WEIGHTS_MAX_FILE_BYTES, every other body up to 64 KiB):
                                                        serves this version (expires in 60 s)
     GET    /v1/weights/{run_id}/{version}/peers        {"peers": [url, ...]}
 
+A manifest may carry ``delta`` (``{"base", "file", "sections"}``, :mod:`shared.weights.delta`):
+the version as a compressed XOR against version ``base`` = version - 1, built at commit when
+that one is published and the delta is at most half the version's bytes. Its blob is served as
+the version's file ``file.name`` (``rlboost-delta-<base>``, a name no upload may take) by both
+download routes; it is not among ``files``.
+
 Collection keeps the newest max(K, 2) versions (K = RLBOOST_WEIGHTS_KEEP) and every pinned one:
 in synchronous training the step being rolled out uses the newest or, while the trainer publishes
 the next, the one before, so an instance joining mid-step always finds its step's version. A

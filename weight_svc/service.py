@@ -1,6 +1,7 @@
 """The weight service's parts, made once per app and shared by its routes.
 
-Contract: :class:`WeightService` holds the store, the metrics, the registry of peers serving a
+Contract: :class:`WeightService` holds the store (which builds each version's delta at commit,
+counted by outcome), the metrics, the registry of peers serving a
 version, the ``sendfile`` data plane, the NATS announcer and a lock per run (a commit's
 collection and a pin of the same run never interleave). It holds the tokens the data plane and
 the API's guard accept: the read token and the write token read, the write token writes.
@@ -36,6 +37,10 @@ class Metrics:
         self.collected = Counter("rlboost_weights_collected", "Versions collected", registry=r)
         self.announced = Counter("rlboost_weights_announced", "Versions announced", registry=r)
         self.errors = Counter("rlboost_weights_errors", "Error replies", ["status"], registry=r)
+        self.deltas = Counter(
+            "rlboost_weights_deltas", "Delta builds at commit: kept, too_large or failed",
+            ["outcome"], registry=r
+        )
         self.versions = Gauge(
             "rlboost_weights_versions", "Versions on disk", ["run_id"], registry=r
         )
@@ -45,11 +50,12 @@ class WeightService:
     def __init__(self, cfg: WeightsConfig, limits: StoreLimits | None = None) -> None:
         """``limits`` default to the configured ones (tests pass small chunks)."""
         self.cfg = cfg
-        self.store = Store(cfg.common.data_dir, limits or StoreLimits.of(cfg))
+        self.metrics = Metrics()
+        self.store = Store(cfg.common.data_dir, limits or StoreLimits.of(cfg),
+                           lambda outcome: self.metrics.deltas.labels(outcome).inc())
         write, read = reveal(cfg.token), reveal(cfg.read_token)
         self.readers = [t for t in (read, write) if t]  # tokens that read
         self.writers = [write] if write else []  # tokens that write
-        self.metrics = Metrics()
         self.peers = PeerRegistry()
         self.host = bind_host(cfg.common.weights_url)
         self.data = DataPlane(self.store, self.host, cfg.data_port, self.readers,

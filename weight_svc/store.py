@@ -3,6 +3,8 @@
 Layout under ``<RLBOOST_DATA_DIR>/weights``::
 
     <run_id>/<version>/manifest.json + files    a published version, complete by construction
+    <run_id>/<version>/rlboost-delta-<base>      its delta from <base> = <version> - 1, when
+                                                one was built and paid off (shared.weights.delta)
     <run_id>/.staging-<version>/<name>          uploaded files waiting for the commit (removed
                                                 once they cannot be: refused, or not newer
                                                 than the newest published version)
@@ -15,29 +17,43 @@ Contract: every run id, version and file name is validated before it becomes par
 becomes visible by one directory rename after its files and manifest are fsynced: readers see a
 whole version or none. It disappears by one rename too. Methods block (file I/O, hashing); the app
 runs them in worker threads and serializes commits and collection per run.
+
+A commit builds the version's delta from the version before when that one is published, inside
+the version before its rename: the version appears with its delta or without one, never
+before it. The delta is kept only when it is at most ``DELTA_MAX_FRACTION`` of the version's
+bytes; a failed build costs the delta, never the commit. ``on_delta`` hears each outcome
+(``kept``, ``too_large``, ``failed``) for the service's counter.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import WeightsConfig
 from shared.errors import WeightsError
+from shared.weights.delta import DELTA_MAX_FRACTION, build_delta
 from shared.weights.manifest import (
     MANIFEST_NAME,
     MAX_VERSION,
     ChunkEntry,
+    DeltaEntry,
     FileEntry,
     Manifest,
+    delta_name,
+    is_delta_name,
     valid_name,
     valid_run_id,
 )
+
+log = logging.getLogger("weight_svc.app")
 
 # The newest two versions are never collected, whatever K: the step being rolled out uses the
 # newest or (while the trainer publishes the next) the one before, and an instance that joins
@@ -75,6 +91,11 @@ def check_ids(run_id: str, version: int | None = None, name: str | None = None) 
         raise StoreError(
             422, f"invalid file name {name[:80]!r}: [A-Za-z0-9._-]{{1,128}}, no leading '.'"
         )
+
+
+def _model_file(name: str) -> bool:
+    """A staged name that is part of the version (not a cut-off upload, not a delta)."""
+    return valid_name(name) and not is_delta_name(name)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -116,9 +137,12 @@ class Upload:
 
 
 class Store:
-    def __init__(self, data_dir: Path, limits: StoreLimits) -> None:
+    def __init__(self, data_dir: Path, limits: StoreLimits,
+                 on_delta: Callable[[str], None] = lambda outcome: None) -> None:
         self.root = data_dir / "weights"
         self.limits = limits
+        self.on_delta = on_delta
+        self.delta_threads = min(os.cpu_count() or 1, 8)  # zstd workers for a delta build
         self.root.mkdir(parents=True, exist_ok=True)
 
     # --- paths (only ever built from validated parts) ----------------------------------------
@@ -185,6 +209,8 @@ class Store:
 
     def open_upload(self, run_id: str, version: int, name: str) -> Upload:
         check_ids(run_id, version, name)
+        if is_delta_name(name):
+            raise StoreError(422, f"file name {name!r}: the prefix is reserved for deltas")
         return Upload(self._staging(run_id, version), name, self.limits.max_file_bytes)
 
     def _describe(self, path: Path) -> FileEntry:
@@ -207,7 +233,8 @@ class Store:
         staging, final = self._staging(run_id, version), self._version(run_id, version)
         staged = []
         if staging.is_dir():
-            staged = sorted(p for p in staging.iterdir() if valid_name(p.name) and p.is_file())
+            staged = sorted(p for p in staging.iterdir()
+                            if _model_file(p.name) and p.is_file())
         published = (final / MANIFEST_NAME).is_file()
         if not staged:
             if published:  # a retried commit whose first answer was lost
@@ -231,8 +258,10 @@ class Store:
             shutil.rmtree(staging, ignore_errors=True)
             return existing, False
         for p in staging.iterdir():
-            if not valid_name(p.name):  # cut-off uploads: never part of a version
+            if not _model_file(p.name):  # cut-off uploads, a killed commit's delta
                 p.unlink(missing_ok=True)
+        if (delta := self._delta(run_id, version, staging, manifest)) is not None:
+            manifest["delta"] = delta
         tmp = staging / f".{MANIFEST_NAME}"
         with tmp.open("w") as f:
             json.dump(manifest, f)
@@ -243,6 +272,32 @@ class Store:
         os.rename(staging, final)  # the atomic publish
         _fsync_dir(final.parent)
         return manifest, True
+
+    def _delta(self, run_id: str, version: int, staging: Path, manifest: Manifest
+               ) -> DeltaEntry | None:
+        """Build the staged version's delta from the version before, if that one is published
+        and the delta pays off (module doc)."""
+        base = version - 1
+        if base < 0 or not (self._version(run_id, base) / MANIFEST_NAME).is_file():
+            return None
+        out = staging / delta_name(base)
+        names = [f["name"] for f in manifest["files"]]
+        try:
+            sections = build_delta(self._version(run_id, base), staging, names, out,
+                                   self.delta_threads)
+            blob = self._describe(out)
+        except Exception as exc:  # the version is whole without it: publish it all the same
+            log.warning("no delta for %s/%d: %s", run_id, version, exc)
+            out.unlink(missing_ok=True)
+            self.on_delta("failed")
+            return None
+        full = sum(f["size"] for f in manifest["files"])
+        if blob["size"] > DELTA_MAX_FRACTION * full:
+            out.unlink()
+            self.on_delta("too_large")
+            return None
+        self.on_delta("kept")
+        return {"base": base, "file": blob, "sections": sections}
 
     def pin(self, run_id: str, version: int) -> None:
         self.manifest(run_id, version)  # only a published version can be pinned

@@ -12,6 +12,7 @@ One module per noun, in the order a pull uses them:
                     peers and a run's versions
 - ``pull``          pulling one version: sources, worker threads, resume, publish
 - ``plan``          the chunk schedule of one pull (which chunk from which source, when)
+- ``delta``         a version as its compressed XOR against the version before: build, apply
 - ``partial``       a version being pulled: its directory and verified-chunk record
 - ``fetch``         moving one chunk: a blocking range client that verifies as it streams
 - ``peer``          a rollout instance serving its verified chunks to other instances
@@ -41,7 +42,7 @@ from shared.weights.manifest import (
     valid_version,
 )
 from shared.weights.peer import PeerServer
-from shared.weights.pull import CHUNK_TRIES, pull_version
+from shared.weights.pull import CHUNK_TRIES, PullStats, pull_version
 
 __all__ = [
     "CHUNK_TRIES",
@@ -51,6 +52,7 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "PeerServer",
+    "PullStats",
     "commit_version",
     "list_peers",
     "list_versions",

@@ -6,12 +6,17 @@ Chunks are numbered globally in manifest order (files sorted by name, chunks asc
 peer can say which chunks it holds with a list of small integers. Every name that will become
 part of a path on either side passes :func:`valid_name` / :func:`valid_run_id` first: the
 patterns forbid '/', '..' and leading dots, so nothing escapes a run's directory.
+
+A manifest may carry a ``delta`` entry: the same version as a delta from an older one that a
+puller holding that one reconstructs instead of downloading every file (format and checks:
+:mod:`shared.weights.delta`). The delta's blob is a file of the version directory under a
+reserved name (:func:`is_delta_name`) that is never uploaded and never among ``files``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import NamedTuple, TypedDict
+from typing import Literal, NamedTuple, NotRequired, TypedDict
 
 from shared.errors import WeightsError
 
@@ -19,6 +24,7 @@ RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # never starts with '.'
 MAX_VERSION = 10**9
 MANIFEST_NAME = "manifest.json"  # sits beside the files in a version directory: reserved
+DELTA_PREFIX = "rlboost-delta-"  # reserved: the delta blob of a version, built by the service
 MAX_CHUNKS = 1 << 20  # a manifest naming more chunks than this is refused (bounded memory)
 
 
@@ -35,11 +41,25 @@ class FileEntry(TypedDict):
     chunks: list[ChunkEntry]  # ascending, contiguous, covering the file
 
 
+class DeltaSection(TypedDict):
+    name: str  # the version's file this section rebuilds
+    mode: Literal["xor", "raw"]  # xor: the file XOR the base's same-named file; raw: the file
+    offset: int  # byte offset of the section's zstd frame in the blob
+    size: int  # bytes of the frame
+
+
+class DeltaEntry(TypedDict):
+    base: int  # the version the XOR sections apply to (the one before)
+    file: FileEntry  # the blob: a file of this version's directory, chunked like any other
+    sections: list[DeltaSection]  # one per file of the version, in manifest order
+
+
 class Manifest(TypedDict):
     run_id: str
     version: int
     chunk_bytes: int  # chunk size the service used when it committed the version
     files: list[FileEntry]  # sorted by name
+    delta: NotRequired[DeltaEntry]  # when the service built a delta that pays off
 
 
 class Chunk(NamedTuple):
@@ -64,6 +84,15 @@ def valid_name(name: str) -> bool:
     return NAME_RE.fullmatch(name) is not None and name != MANIFEST_NAME
 
 
+def is_delta_name(name: str) -> bool:
+    return name.startswith(DELTA_PREFIX)
+
+
+def delta_name(base: int) -> str:
+    """The blob's name in the directory of the version it rebuilds from ``base``."""
+    return f"{DELTA_PREFIX}{base}"
+
+
 def check_ids(run_id: str, version: int) -> None:
     if not valid_run_id(run_id):
         raise WeightsError(f"invalid run id {run_id!r}", retryable=False)
@@ -77,18 +106,23 @@ def check_manifest(manifest: Manifest, run_id: str, version: int) -> None:
         raise WeightsError(f"manifest is for another version: {manifest!r:.200}", False)
     count = 0
     for f in manifest["files"]:
-        if not valid_name(f["name"]):
-            raise WeightsError(f"manifest names an invalid file {f['name']!r}", False)
-        offset = 0
-        for c in f["chunks"]:
-            if c["offset"] != offset or c["size"] <= 0:
-                raise WeightsError(f"manifest chunks of {f['name']} are not contiguous", False)
-            offset += c["size"]
-        if offset != f["size"]:
-            raise WeightsError(f"manifest chunks of {f['name']} do not cover the file", False)
+        check_file(f)
         count += len(f["chunks"])
     if count > MAX_CHUNKS:
         raise WeightsError(f"manifest has {count} chunks, more than {MAX_CHUNKS}", False)
+
+
+def check_file(f: FileEntry) -> None:
+    """Refuse a file entry with an invalid name, or chunks that leave holes or overlap."""
+    if not valid_name(f["name"]):
+        raise WeightsError(f"manifest names an invalid file {f['name']!r}", False)
+    offset = 0
+    for c in f["chunks"]:
+        if c["offset"] != offset or c["size"] <= 0:
+            raise WeightsError(f"manifest chunks of {f['name']} are not contiguous", False)
+        offset += c["size"]
+    if offset != f["size"]:
+        raise WeightsError(f"manifest chunks of {f['name']} do not cover the file", False)
 
 
 def chunks_of(manifest: Manifest) -> list[Chunk]:

@@ -16,6 +16,15 @@ Contract of :func:`pull_version` (exported by :mod:`shared.weights`):
   the service only.
 - With ``serve`` (a running :class:`PeerServer`), this pull's verified chunks are offered to others
   while it runs, and the version is advertised to the service as long as it stays on disk.
+- Delta: when the manifest offers a delta (:mod:`shared.weights.delta`) and ``dest_root`` holds
+  its base complete, the blob is pulled instead (from the service only: it is small, and peers
+  serve whole versions), chunked, verified and resumable like a file, in
+  ``.delta-<version>/``; the version is rebuilt from it into the partial directory and every
+  chunk and file is checked against the manifest's sha256 before anything is recorded. Whatever
+  falls short, a missing base (``no_base``), a blob that fails its hashes at the service
+  (``corrupt``) or cannot be fetched (``error``), a rebuild that does not match (``mismatch``),
+  leaves the unverified chunks to the ordinary pull: the version is never worse than a full
+  pull's. ``stats`` (a :class:`PullStats`) tells the caller which way it went and why.
 - A service outage is ridden out (retries with backoff) until ``timeout_s`` pass without a
   verified chunk. Every failure is a :class:`WeightsError`; ``retryable`` is False where retrying
   cannot help (a bad name, a chunk corrupt at the service, a rejected token).
@@ -29,6 +38,7 @@ import random
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,8 +46,9 @@ import httpx
 from shared.errors import WeightsError
 from shared.process import wait_event
 from shared.tls import Tls
+from shared.weights.delta import apply_delta, check_delta
 from shared.weights.fetch import BLOCK, RangeConn, SourceError, Stopped
-from shared.weights.manifest import Chunk, check_ids, check_manifest
+from shared.weights.manifest import Chunk, Manifest, check_ids, check_manifest
 from shared.weights.partial import Partial, local_manifest
 from shared.weights.peer import PEER_PREFIX, PeerServer
 from shared.weights.plan import Plan
@@ -50,6 +61,24 @@ POLL_S = 0.5  # how often a puller asks its peers which chunks they hold
 PEERS_LIST_S = 1.0  # how often it asks the service who the peers are
 PEER_TIMEOUT_S = 10.0
 FIRST_POLL_S = 2.0  # the longest a pull waits to hear which chunks existing peers hold
+
+
+class CorruptAtSource(WeightsError):
+    """A chunk failed its sha256 on every download from the service: its copy is bad."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem, retryable=False)
+
+
+@dataclass(slots=True)
+class PullStats:
+    """What one pull did, for its caller's metrics (``stats`` of :func:`pull_version`)."""
+
+    kind: str = ""  # "local" (on disk already), "delta" (rebuilt from the base) or "full"
+    delta_bytes: int = 0  # bytes of a delta blob fetched (0 when none was tried)
+    bytes_from_service: int = 0  # chunks of the version's files (what a fallback fetched)
+    bytes_from_peers: int = 0
+    fallback: str | None = None  # why an offered delta was not used (module doc)
 
 
 class _Service:
@@ -114,8 +143,8 @@ def _fetch_service(
         log.warning("%s chunk at %d failed its sha256 (try %d/%d)", path, chunk.offset, corrupt,
                     CHUNK_TRIES)
         if corrupt >= CHUNK_TRIES:
-            raise WeightsError(f"{path} chunk at offset {chunk.offset}: sha256 mismatch on"
-                               f" {CHUNK_TRIES} downloads; the service's copy is corrupt", False)
+            raise CorruptAtSource(f"{path} chunk at offset {chunk.offset}: sha256 mismatch on"
+                                  f" {CHUNK_TRIES} downloads; the service's copy is corrupt")
 
 
 def _work(plan: Plan, partial: Partial, svc: _Service, run_id: str, version: int,
@@ -247,6 +276,62 @@ async def _download(plan: Plan, partial: Partial, svc: _Service, run_id: str, ve
         raise WeightsError(f"{run_id}/{version}: pull stopped with chunks missing")
 
 
+async def _pull_delta(manifest: Manifest, partial: Partial, dest_root: Path, svc: _Service,
+                      parallel: int, timeout_s: float, stats: PullStats) -> str | None:
+    """Rebuild the version into ``partial`` from its delta (module doc); why it fell short."""
+    run_id, version = manifest["run_id"], manifest["version"]
+    try:
+        delta = check_delta(manifest)
+    except WeightsError as exc:
+        log.warning("%s/%d: unusable delta: %s", run_id, version, exc)
+        return "error"
+    base_dir = dest_root / run_id / str(delta["base"])
+    if await asyncio.to_thread(local_manifest, base_dir, run_id, delta["base"]) is None:
+        return "no_base"
+    where = dest_root / run_id / f".delta-{version}"
+    blob_manifest: Manifest = {"run_id": run_id, "version": version,
+                               "chunk_bytes": manifest["chunk_bytes"], "files": [delta["file"]]}
+    blob = await asyncio.to_thread(Partial, where, blob_manifest)
+    plan = Plan(blob.chunks, set(blob.done), blob.fds, parallel, 0)
+    try:
+        await _download(plan, blob, svc, run_id, version, parallel, timeout_s, None)
+        bad = await asyncio.to_thread(apply_delta, manifest, where / delta["file"]["name"],
+                                      base_dir, partial.fds, partial.record, set(partial.done))
+    except WeightsError as exc:
+        log.warning("%s/%d: delta not fetched (%s); pulling in full", run_id, version, exc)
+        bad, failure = None, "corrupt" if isinstance(exc, CorruptAtSource) else "error"
+    finally:  # cancelled mid-way, the blob's verified chunks stay in ``where``, to resume
+        blob.close()
+        stats.delta_bytes = plan.bytes_from_service
+    await asyncio.to_thread(shutil.rmtree, where, True)
+    if bad is None:
+        return failure
+    if bad:
+        log.warning("%s/%d: rebuilt from v%d, %s did not match the manifest; fetching their"
+                    " unverified chunks", run_id, version, delta["base"], ", ".join(bad))
+        return "mismatch"
+    return None
+
+
+async def _try_delta(manifest: Manifest, partial: Partial, dest_root: Path, svc: _Service,
+                     parallel: int, timeout_s: float, stats: PullStats) -> None:
+    """Fill ``partial`` from the version's delta when one is offered and chunks are missing;
+    ``stats`` says whether it did, or why not. ``partial`` is closed if this raises."""
+    if "delta" not in manifest or len(partial.done) == len(partial.chunks):
+        return
+    try:
+        stats.fallback = await _pull_delta(manifest, partial, dest_root, svc, parallel,
+                                           timeout_s, stats)
+    except OSError as exc:
+        partial.close()
+        raise WeightsError(f"writing {partial.path}: {exc}", retryable=False) from exc
+    except BaseException:
+        partial.close()
+        raise
+    if stats.fallback is None:
+        stats.kind = "delta"
+
+
 async def pull_version(
     base_url: str,
     token: str | None,
@@ -259,10 +344,13 @@ async def pull_version(
     peers: bool = False,
     serve: PeerServer | None = None,
     tls: Tls | None = None,
+    stats: PullStats | None = None,
 ) -> Path:
     """Download and verify (run_id, version) into ``dest_root/<run_id>/<version>/``; returns it.
-    ``tls``: the CA the service (and peers) are verified with (shared.tls)."""
+    ``tls``: the CA the service (and peers) are verified with (shared.tls); ``stats``, if
+    given, is filled in with what the pull did."""
     tls = tls or Tls()
+    stats = stats if stats is not None else PullStats()
     check_ids(run_id, version)
     if parallel < 1:
         raise WeightsError(f"parallel must be >= 1, got {parallel}", retryable=False)
@@ -270,6 +358,7 @@ async def pull_version(
     if await asyncio.to_thread(local_manifest, final, run_id, version) is not None:
         if serve is not None:
             serve.advertise(base_url, run_id, version)
+        stats.kind = "local"
         return final
     if final.exists():  # damaged by hand or by something outside this module: pull it afresh
         await asyncio.to_thread(shutil.rmtree, final, True)
@@ -285,9 +374,11 @@ async def pull_version(
             partial = await asyncio.to_thread(Partial, partial_dir, manifest)
         except OSError as exc:
             raise WeightsError(f"cannot prepare {partial_dir}: {exc}", retryable=False) from exc
+        svc = _Service(base_url, data_url, token, manifest_path, tls)
+        stats.kind = "full"
+        await _try_delta(manifest, partial, dest_root, svc, parallel, timeout_s, stats)
         plan = Plan(partial.chunks, set(partial.done), partial.fds, parallel,
                     random.randrange(max(len(partial.chunks), 1)), peers)
-        svc = _Service(base_url, data_url, token, manifest_path, tls)
         try:
             if serve is not None:
                 serve.offer(run_id, version, manifest, partial_dir, partial.done,
@@ -311,6 +402,9 @@ async def pull_version(
             partial.close()
             if serve is not None:
                 serve.withdraw(run_id, version)
-        log.info("pulled %s/%d: %d bytes from peers, %d from the service", run_id, version,
-                 plan.bytes_from_peers, plan.bytes_from_service)
+        stats.bytes_from_service, stats.bytes_from_peers = (plan.bytes_from_service,
+                                                            plan.bytes_from_peers)
+        log.info("pulled %s/%d (%s): %d bytes from peers, %d from the service, %d of delta",
+                 run_id, version, stats.kind, plan.bytes_from_peers, plan.bytes_from_service,
+                 stats.delta_bytes)
     return final
