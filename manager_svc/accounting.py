@@ -57,13 +57,34 @@ _int_list = msgspec.json.Decoder(list[int])
 
 
 # A response as stored: p, s, version, prompt, tokens, finish, instances, obs (an agentic
-# response's observation turns), env_reward (its environment's reward), logprobs (hex)
+# response's observation turns), env_reward (its environment's reward), logprobs (hex),
+# versions (an asynchronous run's "<first token>:<version>" CSV)
 Row = list[str | None]
 
 
 def stored_turns(row: Row) -> list[Turn]:
     """A stored response's turns: none for a single-turn one (every token a model token)."""
     return response_turns(row[7], row[4] or "")
+
+
+def stored_versions(row: Row) -> list[list[int]]:
+    """An asynchronous run's response: [first token, weight version] per run of tokens one
+    version made (leases that committed nothing left out); empty in a synchronous run, where
+    the sample's ``weight_version`` made every token."""
+    text = row[10] if len(row) > 10 else None
+    if not text:
+        return []
+    n = row[4].count(",") + 1 if row[4] else 0
+    out: list[list[int]] = []
+    for part in text.split(","):
+        start, version = (int(x) for x in part.split(":"))
+        if start >= n:
+            continue  # a lease that committed nothing
+        if out and out[-1][0] == start:
+            out.pop()  # the earlier lease at this token committed nothing
+        if not out or out[-1][1] != version:
+            out.append([start, version])
+    return out
 
 
 def stored_logprobs(row: Row) -> list[float]:
@@ -345,12 +366,14 @@ class Ledger:
 
     async def assign_plan(
         self, plan: list[tuple[str, list[str]]], temperature: float, seed: int,
-        eos_token_id: int,
+        eos_token_id: int, versions: dict[str, int] | None = None,
     ) -> list[list[Assignment]]:
         """Lease each (instance, responses of one step) of ``plan``: one atomic script each,
         all pipelined in one round trip, so a step's first pass over 128 instances waits for
         Redis (and its fsync, appendfsync always) once, not 128 times in a row. Returns, per
-        entry, the assignments made (what another pass took or is done is left out)."""
+        entry, the assignments made (what another pass took or is done is left out).
+        ``versions``: in an asynchronous run, each instance's weight version, which its
+        leases are of (lua/assign.lua); None: the step's own."""
         out: list[list[Assignment]] = [[] for _ in plan]
         calls = [(k, instance_id, rids) for k, (instance_id, rids) in enumerate(plan) if rids]
         for _, _, rids in calls:
@@ -362,18 +385,22 @@ class Ledger:
         if not calls:
             return out
         now = time.time()
-        replies = await run_batch(self.r, [self._assign_call(instance_id, rids, now)
-                                           for _, instance_id, rids in calls])
+        replies = await run_batch(self.r, [
+            self._assign_call(instance_id, rids, now,
+                              None if versions is None else versions[instance_id])
+            for _, instance_id, rids in calls])
         for (k, _, rids), reply in zip(calls, replies, strict=True):
             out[k] = self._assignments(rids, reply, temperature, seed, eos_token_id)
         return out
 
-    def _assign_call(self, instance_id: str, rids: list[str], now: float) -> Call:
+    def _assign_call(self, instance_id: str, rids: list[str], now: float,
+                     version: int | None = None) -> Call:
         run_id, step, _, _ = parse_request_id(rids[0])
         return Call(self._assign, [Keys.pending(run_id, step), Keys.leased(run_id, step),
                                    Keys.step(run_id, step), Keys.held(run_id, instance_id),
                                    Keys.holders(run_id)],
-                    [instance_id, self.lease_ttl_ms, now, *rids])
+                    [instance_id, self.lease_ttl_ms, now, "" if version is None else version,
+                     *rids])
 
     def _assignments(self, rids: list[str], got: list[Any], temperature: float, seed: int,
                      eos_token_id: int) -> list[Assignment]:
@@ -466,7 +493,7 @@ class Ledger:
                 instances=[i for i in (instances or "").split(",") if i],
                 turns=(turns := stored_turns(row)), loss_mask=turns_mask(turns),
                 env_reward=None if row[8] is None else float(row[8]),
-                behaviour_logprobs=stored_logprobs(row),
+                behaviour_logprobs=stored_logprobs(row), token_versions=stored_versions(row),
             ))
         out.sort(key=lambda x: (x.prompt_index, x.sample_index))
         return out

@@ -31,6 +31,7 @@ from manager_svc.accounting import (
     stored_digest,
     stored_logprobs,
     stored_turns,
+    stored_versions,
     turns_mask,
 )
 from manager_svc.metrics import ManagerMetrics
@@ -88,6 +89,7 @@ class _StoredSample(msgspec.Struct, kw_only=True):
     loss_mask: list[int] = []
     env_reward: float | None = None
     behaviour_logprobs: list[float] = []
+    token_versions: list[list[int]] = []
 
 
 class _StoredGroupDone(msgspec.Struct, tag="GroupDone", kw_only=True):
@@ -113,7 +115,7 @@ def _stored_sample(rid: str, row: Row) -> _StoredSample:
         finish_reason=finish or "", instances=[i for i in (instances or "").split(",") if i],
         turns=(turns := stored_turns(row)), loss_mask=turns_mask(turns),
         env_reward=None if row[8] is None else float(row[8]),
-        behaviour_logprobs=stored_logprobs(row))
+        behaviour_logprobs=stored_logprobs(row), token_versions=stored_versions(row))
 
 
 class Announcer:

@@ -84,6 +84,15 @@ class ActiveStep:
     step: int
     info: dict[str, str]  # the step's Redis hash, as read at the start of this pass
 
+    def serves(self, instance: Instance) -> bool:
+        """Whether ``instance``'s weights may generate this step: its version, or in an
+        asynchronous run (the step's ``staleness``) any version from the step's, the oldest
+        its tokens may come from, to the step's own number (docs/async.md)."""
+        version, low = int(instance["weight_version"]), int(self.info["version"])
+        if int(self.info.get("staleness", 0)) > 0:
+            return low <= version <= self.step
+        return version == low
+
 
 class Dispatcher:
     def __init__(self, cfg: ManagerConfig, redis: aioredis.Redis, nc: Nats, ledger: Ledger,
@@ -125,10 +134,14 @@ class Dispatcher:
             await self.dispatch_once()
 
     async def dispatch_once(self) -> int:
-        """Lease pending responses of the active step to eligible instances; returns how many."""
-        step = await self._active_step()
-        if step is None:
-            return 0
+        """Lease pending responses of the active steps to eligible instances, the step
+        training waits for first; returns how many."""
+        sent = 0
+        for step in await self._active_steps():
+            sent += await self._dispatch_step(step)
+        return sent
+
+    async def _dispatch_step(self, step: ActiveStep) -> int:
         if int(step.info.get("remaining", 1)) <= 0:
             await self.ingest.barrier(step.run_id, step.step)  # all complete: the barrier
             return 0
@@ -162,19 +175,30 @@ class Dispatcher:
         self._last_reap = time.monotonic()
         return True
 
-    async def _active_step(self) -> ActiveStep | None:
+    async def _active_steps(self) -> list[ActiveStep]:
+        """The run's steps in rollout, oldest (the one training waits for) first: its step
+        alone in a synchronous run; with ``staleness`` k, those of the next k that started."""
         target = await self.runs.target()
         if target is None:
-            return None
-        info = await self.redis.hgetall(Keys.step(*target))
-        if not info or info.get("state") != "rollout":
-            return None
-        return ActiveStep(target[0], target[1], info)
+            return []
+        run_id, first = target
+        info = await self.redis.hgetall(Keys.step(run_id, first))
+        out = [ActiveStep(run_id, first, info)] if info.get("state") == "rollout" else []
+        ahead = int(info.get("staleness", 0))
+        if ahead:
+            pipe = self.redis.pipeline(transaction=False)
+            for step in range(first + 1, first + ahead + 1):
+                pipe.hgetall(Keys.step(run_id, step))
+            for step, later in enumerate(await pipe.execute(), start=first + 1):
+                if later.get("state") == "rollout":
+                    out.append(ActiveStep(run_id, step, later))
+        return out
 
     async def _expire_leases(self) -> None:
-        active = await self._active_step()
-        if active is None:
-            return
+        for active in await self._active_steps():
+            await self._expire_step_leases(active)
+
+    async def _expire_step_leases(self, active: ActiveStep) -> None:
         expired = await self.ledger.expired_leases(active.run_id, active.step)
         if expired:
             # A beat renews its instance's registration and then its leases, to the same TTL:
@@ -200,11 +224,15 @@ class Dispatcher:
         refused as stale, counted as regenerated. A drained instance whose engine moves again
         (a slow one, or a healthy one judged on a late beat) reads ready at its next beat."""
         timeout = self.cfg.progress_timeout_s
-        active = await self._active_step()
         now = time.monotonic()
-        if active is None or now - self._started < timeout:
+        if now - self._started < timeout:
             return
         self._lagging = {i: until for i, until in self._lagging.items() if until > now}
+        for active in await self._active_steps():
+            await self._check_step_progress(active, timeout, now)
+
+    async def _check_step_progress(self, active: ActiveStep, timeout: float,
+                                   now: float) -> None:
         everyone = {i["id"]: i for i in await self.registry.instances(active.run_id)}
         backup = await self._backup_room(active, everyone)
         bound = max(timeout * BACKUP_FRACTION if backup else timeout,
@@ -235,9 +263,8 @@ class Dispatcher:
         if await self.redis.scard(Keys.pending(step.run_id, step.step)):
             return False
         leased = await self.redis.scard(Keys.leased(step.run_id, step.step))
-        version = int(step.info["version"])
         idle = [i for i in everyone.values() if i["state"] == "ready" and i["held"] == 0
-                and i["run_id"] == step.run_id and i["weight_version"] == version]
+                and i["run_id"] == step.run_id and step.serves(i)]
         room = takers(idle, in_window=window_open(step.info),
                       any_spot=spot_alive(list(everyone.values())))
         return bool(0 < leased <= sum(int(i["capacity"]) for i in room))
@@ -247,13 +274,13 @@ class Dispatcher:
         seeding window everyone ready (reserved first); after it, or with seeding off, only
         spot instances, unless no spot instance is alive at all, in which case the reserved
         side generates everything (co-located)."""
-        info, version = step.info, int(step.info["version"])
+        info = step.info
         everyone = await self.registry.instances(step.run_id)
         # A quarantined instance is listed so, never ready: it gets nothing (quarantine.py).
         await self.ingest.quarantine.screen(step.run_id, everyone)
         await self.ingest.quarantine.watch(step.run_id, everyone)
         ready = [i for i in everyone if i["state"] == "ready" and i["run_id"] == step.run_id
-                 and i["weight_version"] == version]
+                 and step.serves(i)]
         mode = info.get("mode", "off")
         if mode == "adaptive" and window_open(info):
             await self._follow_capacity(step, everyone)
@@ -354,8 +381,11 @@ class Dispatcher:
             take, queue = queue[:room], queue[room:]
             plan += [(inst["id"], take[i:i + ASSIGN_BATCH])
                      for i in range(0, len(take), ASSIGN_BATCH)]
+        # An asynchronous run's lease is of the instance's version (lua/assign.lua).
+        versions = {i["id"]: int(i["weight_version"]) for i in ready} \
+            if int(step.info.get("staleness", 0)) > 0 else None
         leased = await self.ledger.assign_plan(plan, spec.temperature, spec.seed,
-                                               int(step.info.get("eos", 0)))
+                                               int(step.info.get("eos", 0)), versions)
         batches: dict[str, list[Assignment]] = {}
         for (instance_id, _), got in zip(plan, leased, strict=True):
             batches.setdefault(instance_id, []).extend(got)

@@ -79,12 +79,20 @@ class TrainerApi:
         run, spec = await self.runs.get(msg.run_id), await self.runs.spec(msg.run_id)
         if run is None or spec is None or run["state"] != "running":
             return Ack(ok=False, detail=f"run {msg.run_id} is not running")
-        if msg.step != run["step"] or msg.weight_version != msg.step:
-            return Ack(ok=False, detail=f"run is at step {run['step']}, not {msg.step}")
+        # Synchronous: the run's step, at its own version. With staleness k the steps up to
+        # k ahead may start too, each at the oldest version its tokens may come from.
+        if not run["step"] <= msg.step <= run["step"] + spec.staleness or \
+                msg.step >= run["steps"] or msg.weight_version != spec.min_version(msg.step):
+            return Ack(ok=False, detail=f"run is at step {run['step']} (staleness "
+                                        f"{spec.staleness}), not {msg.step} at "
+                                        f"v{msg.weight_version}")
         if len(msg.prompt_token_ids) != spec.prompts_per_step:
             return Ack(ok=False, detail="prompt count differs from prompts_per_step")
         seeding = await self._seeding(msg.run_id)
-        mode = spec.seeding.mode
+        # A step started ahead of training has no seeding window: the reserved side is
+        # training the step before it, and spot instances (or, with none, the reserved side
+        # once free) generate it.
+        mode = spec.seeding.mode if msg.step == run["step"] else "off"
         spot_alive = spot_count(await self.registry.instances())
         if mode == "adaptive":
             window = next_window(seeding, spot_alive)
@@ -102,8 +110,10 @@ class TrainerApi:
                        # > 1: a final stop ends a model turn, not the response (turns.py)
                        "max_turns": spec.max_turns,
                        # Seeding off and spot capacity present: the reserved side only trains.
-                       "reserved_free": int(mode == "off" and spot_alive > 0)},
-                seeding=seeding.dump()))
+                       "reserved_free": int(mode == "off" and spot_alive > 0),
+                       # > 0: leased to versions [version, step] (dispatcher)
+                       **({"staleness": spec.staleness} if spec.staleness else {})},
+                seeding=seeding.dump() if msg.step == run["step"] else None))
         creating = self._creating[key]
         try:
             created = await asyncio.shield(creating)

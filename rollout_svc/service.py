@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 from dataclasses import dataclass, field
+from typing import Literal
 
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg as NatsMsg
@@ -259,10 +260,33 @@ class RolloutService:
             await wait_event(self._beat, self.cfg.heartbeat_s)
 
     def _want(self, run_id: str, version: int) -> None:
-        """Start loading ``version`` unless it is loaded, being loaded, or we are leaving."""
-        if (run_id, version) != self.engine.loaded and self.state != "draining" \
-                and (self._loading is None or self._loading.done()):
-            self._loading = asyncio.create_task(self._load(run_id, version))
+        """Start loading ``version`` unless it is loaded, being loaded, or we are leaving.
+        With responses in flight of the same run (an asynchronous run: the manager leases
+        an older version's instance work while its version may still make tokens of some
+        step) it waits until they are done: the engines swap weights only when idle, and a
+        response never mixes versions within one lease."""
+        loaded = self.engine.loaded
+        if (run_id, version) == loaded or self.state == "draining" or \
+                (self._loading is not None and not self._loading.done()):
+            return
+        if self.inflight and loaded is not None and loaded[0] == run_id:
+            if version > loaded[1]:
+                self._loading = asyncio.create_task(self._update(run_id, version))
+            return
+        self._loading = asyncio.create_task(self._load(run_id, version))
+
+    async def _update(self, run_id: str, version: int) -> None:
+        """An asynchronous run's newer version while responses are in flight (AReaL's
+        interruptible rollout): hand them back after their buffered tokens, as a seeding
+        hand-off does, then load. Each continues from its committed tokens on whichever
+        instance leases it next, at that instance's version: a partial rollout, its token
+        runs recorded per version by the manager."""
+        self.state = "loading"  # taking no new work meanwhile (nor its own back, at once)
+        await self._hand_back(list(self.inflight), reason="update")
+        if self.inflight:  # a release that was not answered: they stay here, and so do we
+            self.state = "ready"
+            return
+        await self._load(run_id, version)
 
     async def _on_announce(self, msg: NatsMsg) -> None:
         """A new version exists: in synchronous training that means the step that used the
@@ -353,7 +377,8 @@ class RolloutService:
             self.metrics.assigned.inc()
         self._wake.set()
 
-    async def _hand_back(self, rids: list[str]) -> None:
+    async def _hand_back(self, rids: list[str], reason: Literal["handoff", "update"] = "handoff"
+                         ) -> None:
         """The seeding window is over: publish what is buffered for ``rids``, then hand them
         back (a release that the manager answers once those chunks are committed), so the next
         owner resumes after every token generated here, not after the last full chunk."""
@@ -371,11 +396,11 @@ class RolloutService:
             with contextlib.suppress(RlboostError):
                 await request(self.nc, self._releases, Release(
                     instance_id=self.cfg.instance_id, held=held, leaving=False,
-                    reason="handoff", session=self.session), Ack, 5.0)
+                    reason=reason, session=self.session), Ack, 5.0)
         for h in held:  # reported (and renewed) by heartbeats until the manager took them
             if self.inflight.pop(h.request_id, None) is not None:
                 self.metrics.revoked.inc()
-        log.info("handed back %d responses at the end of the seeding window", len(held))
+        log.info("handed back %d responses (%s)", len(held), reason)
 
     @staticmethod
     def _request(a: Assignment) -> GenRequest:

@@ -180,7 +180,8 @@ class Release(Msg):
     # responses handed back (preemption notice or clean exit)
     held: Annotated[list[Held], msgspec.Meta(max_length=HELD_MAX)]
     leaving: bool = True  # the instance deregisters after this
-    reason: Literal["preempt", "shutdown", "abort", "handoff"] = "shutdown"
+    # update: an asynchronous run's instance hands its responses back to load newer weights
+    reason: Literal["preempt", "shutdown", "abort", "handoff", "update"] = "shutdown"
     session: Short = ""  # the leaving process's Heartbeat.session
 
 
@@ -299,6 +300,9 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Each response token's behaviour log-prob, as the engine that sampled it reported it (an
     # observation token: 0.0). Empty where any token's is unknown (an engine that gives none).
     behaviour_logprobs: list[float] = []
+    # An asynchronous run's response (spec staleness > 0): [first token, weight version] per
+    # run of tokens one version made, in order; empty: weight_version made every token.
+    token_versions: list[list[int]] = []
     # An agentic response's environment's own reward, where its environment gave one: the
     # trainer scores the response with it rather than the run's reward function.
     env_reward: float | None = None

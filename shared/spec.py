@@ -37,6 +37,7 @@ RewardName = Annotated[str, msgspec.Meta(
 BUILTIN_ENVS = ("calculator", "python")
 ENV_PATTERN = re.compile(r"python:[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 MAX_TURNS = 32
+MAX_STALENESS = 8  # steps rolled out ahead of training: AReaL's experiments stop at 8 too
 
 
 class DatasetSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -79,6 +80,10 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     # Sampling and prompts are drawn from it (invariant 5), never from the run id.
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**62)] = 0
     seeding: SeedingSpec = msgspec.field(default_factory=SeedingSpec)
+    # Asynchronous training (docs/async.md): steps n+1..n+staleness roll out while step n
+    # trains, and no trained token is older than `staleness` weight versions; 0: synchronous,
+    # on-policy, as before the field existed.
+    staleness: Annotated[int, msgspec.Meta(ge=0, le=MAX_STALENESS)] = 0
     # Weight versions kept for the user (GET /v1/runs/{id}/checkpoints, rlboost export): every
     # save_every-th one and the final one (0: the final one only); of those, the newest
     # keep_last stay (0: all). The trainer checkpoints every step anyway, to resume from.
@@ -162,10 +167,19 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         if not self.env and self.max_turns > 1:
             raise ValueError(f"max_turns {self.max_turns} needs an env (without one a "
                              "response is one turn)")
+        if self.staleness and (self.dynamic_sampling or self.max_turns > 1):
+            # Dynamic sampling extends and closes the step the trainer is at, and the tool
+            # loop answers that step's calls only: neither follows steps rolled out ahead.
+            raise ValueError("staleness > 0 is not supported with dynamic_sampling or "
+                             "max_turns > 1 yet")
         if self.max_turns > 1 and self.dynamic_sampling:
             # Closing a dynamic step aborts responses in flight; one waiting for its
             # environment's answer is in neither the leased nor the pending set it walks.
             raise ValueError("dynamic_sampling is not supported with max_turns > 1 yet")
+
+    def min_version(self, step: int) -> int:
+        """The oldest weight version a token of ``step`` may come from (invariant 2)."""
+        return max(0, step - self.staleness)
 
     @property
     def reward_name(self) -> str:

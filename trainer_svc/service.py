@@ -275,10 +275,14 @@ class TrainerService:
         if run.version < step:
             raise RunAborted(f"checkpoint v{run.version} is behind the run's step {step}")
         prompts = run.workload.prompts(step)
-        await self.manager.start_step(StepStart(
-            run_id=run.run_id, step=step, weight_version=step,
-            prompt_token_ids=[p.token_ids for p in prompts],
-            eos_token_id=run.workload.eos_token_id, vocab_size=run.policy.vocab_size))
+        # The step, and in an asynchronous run the next `staleness` (started again after a
+        # restart changes nothing): they roll out while this one trains.
+        for ahead in range(step, min(step + run.spec.staleness, run.spec.steps - 1) + 1):
+            await self.manager.start_step(StepStart(
+                run_id=run.run_id, step=ahead, weight_version=run.spec.min_version(ahead),
+                prompt_token_ids=[p.token_ids for p in (
+                    prompts if ahead == step else run.workload.prompts(ahead))],
+                eos_token_id=run.workload.eos_token_id, vocab_size=run.policy.vocab_size))
         clock = StepClock()
         run.begin_step(step, prompts)
         evaluated = await self._evaluate(run, step, clock)
@@ -377,6 +381,12 @@ class TrainerService:
     async def _train_group(self, run: ActiveTraining, group: list[Sample]) -> None:
         """Accumulate one scored group's gradients (advantages are relative within it)."""
         prompt_index = group[0].prompt_index
+        low = run.spec.min_version(run.step)
+        for s in group:  # invariant 2, bounded: every token from a version in [step - k, step]
+            made = [v for _, v in s.token_versions] or [s.weight_version]
+            if not all(low <= v <= run.step for v in made):
+                raise RunAborted(f"sample {s.request_id} has tokens of versions {made}, "
+                                 f"outside [{low}, {run.step}]: not trained")
         corrects = run.spec.algorithm_config().off_policy is not OffPolicy.NONE
         await asyncio.to_thread(run.policy.add_group, training_group(group, corrects))
         run.trained[prompt_index] = group

@@ -3,13 +3,17 @@
 -- not two per response. A response that is done or no longer pending (another pass took it)
 -- is skipped: false in its place.
 -- KEYS: pending, leased, step, the instance's held set of the run, the run's holders
--- ARGV: instance, ttl_ms, now, then the request ids (all of the step).
--- Returns per id {epoch, tokens, prompt, version, max}.
+-- ARGV: instance, ttl_ms, now, the instance's weight version ('' in a synchronous run: the
+-- step's own), then the request ids (all of the step).
+-- Returns per id {epoch, tokens, prompt, version, max}. With a version (an asynchronous run,
+-- docs/async.md) the lease is of that version: the commit script then accepts entries of it
+-- alone, and where it differs from the version of the response's last lease the response's
+-- `versions` gains "<first token>:<version>", so a sample says which version made each token.
 -- include: common.lua
-local inst, ttl, now, held = ARGV[1], ARGV[2], ARGV[3], KEYS[4]
+local inst, ttl, now, held, leased_version = ARGV[1], ARGV[2], ARGV[3], KEYS[4], ARGV[4]
 after_retirement(run_key_of(KEYS[5]))  -- a dispatch pass that read the run before it ended
 local out, migrations = {}, 0
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local rid = ARGV[i]
   local req = req_key(rid)
   -- One read of what the lease needs, before anything is written: seven commands a response
@@ -29,7 +33,16 @@ for i = 4, #ARGV do
     take_legacy_tokens(req, st[4])
     local tokens = ''
     if n > 0 then tokens = redis.call('GET', req .. TOKENS) or '' end
-    out[#out + 1] = {epoch, tokens, st[5], st[6], st[7]}
+    local version = st[6]
+    if leased_version ~= '' then
+      version = leased_version
+      if redis.call('HGET', req, 'vlast') ~= version then
+        csv_append(req, 'versions', n .. ':' .. version)
+        redis.call('HSET', req, 'vlast', version)
+      end
+      redis.call('HSET', req, 'version', version)
+    end
+    out[#out + 1] = {epoch, tokens, st[5], version, st[7]}
   else
     out[#out + 1] = false
   end

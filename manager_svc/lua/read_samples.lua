@@ -4,8 +4,9 @@
 -- as the commit script derives them.
 -- KEYS: the run's record key (names its slot) | ARGV: request ids, all of that run
 -- Returns, per id in order: {p, s, version, prompt, tokens, finish, instances, obs,
--- env_reward, logprobs}, each false where absent (obs: an agentic response's observation
--- turns, turn.lua; logprobs: the behaviour log-probs' hex); tokens are the response's own
+-- env_reward, logprobs, versions}, each false where absent (obs: an agentic response's
+-- observation turns, turn.lua; logprobs: the behaviour log-probs' hex; versions: an
+-- asynchronous run's "<first token>:<version>" list, assign.lua); tokens are the response's own
 -- string, or its hash field for a response committed before responses kept their tokens
 -- apart (never moved since).
 -- include: keys.lua
@@ -19,6 +20,7 @@ for i = 1, #ARGV do
     row[5] = text
   end
   row[10] = redis.call('GET', req .. '@LOGPROBS_SUFFIX@')
+  row[11] = redis.call('HGET', req, 'versions')
   out[#out + 1] = row
 end
 return out

@@ -25,6 +25,7 @@ if ARGV[3] == 'request' and n > 0 then
   waste = waste + n
   redis.call('HDEL', req, 'tokens')  -- a legacy response's, if it was never moved
   redis.call('DEL', req .. TOKENS, req .. LOGPROBS)
+  redis.call('HDEL', req, 'versions', 'vlast')  -- an asynchronous run's: from the start again
   redis.call('HSET', req, 'n', 0, 'instances', '', 'last', '')
   redis.call('HINCRBY', KEYS[5], 'tokens', -n)
 end

@@ -148,8 +148,9 @@ def submit(client: httpx.Client, injector: Injector, port: int, known: set[str])
     raise AssertionError("could not submit a run")
 
 
-def run_under_faults(client: httpx.Client, injector: Injector, run_id: str) -> None:
-    """Faults while the run is under way, until it ends; the injector stops once FAULTS_MAX
+def run_under_faults(client: httpx.Client, injector: Injector, run_id: str,
+                     most: int = FAULTS_MAX) -> None:
+    """Faults while the run is under way, until it ends; the injector stops once ``most``
     faults are in."""
     injector.run_id = run_id
     end = time.monotonic() + 240
@@ -162,7 +163,7 @@ def run_under_faults(client: httpx.Client, injector: Injector, run_id: str) -> N
             state = "unknown"
         if state in ("succeeded", "failed", "cancelled"):
             break
-        if injector.total() >= FAULTS_MAX:
+        if injector.total() >= most:
             injector.stop()
         time.sleep(0.3)
     injector.run_id = ""
