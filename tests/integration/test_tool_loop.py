@@ -246,3 +246,91 @@ async def test_a_restarted_trainer_restores_the_environment_from_committed_turns
             await pool.close()
         await nc.close()
         await redis.aclose()
+
+
+BAD_ENV = """
+import time
+
+
+class Bad:
+    # Misbehaves by sample (the prompt's text carries its index): hangs past max_tool_s,
+    # raises, or answers with a non-string observation; sample 3 behaves.
+    def __init__(self, prompt, answer, seed):
+        self.kind = prompt
+
+    def step(self, action, call_id):
+        sample = int(call_id.split(":")[-2])
+        if sample == 0:
+            time.sleep(60)
+        if sample == 1:
+            raise RuntimeError("tool exploded")
+        if sample == 2:
+            return {{"observation": 42, "reward": None, "done": False}}
+        return {{"observation": None, "reward": 1.0, "done": True}}
+
+
+def make(prompt, answer, seed):
+    return Bad(prompt, answer, seed)
+"""
+
+
+async def test_a_hung_raising_or_invalid_tool_ends_its_response_and_the_step_goes_on(
+        brokers: Stack, tmp_path: Path) -> None:
+    (tmp_path / "bad_env.py").write_text(BAD_ENV.format())
+    tok = tc.train_tokenizer()
+    chat = ChatFormat(tok)
+    prompt = chat.render(QUESTION)
+    redis = await connect_redis(brokers.redis.url)
+    await redis.flushdb()
+    nc = await connect_nats(brokers.nats.url, "test-tool-bad")
+    registry = CollectorRegistry()
+    env = "python:bad_env:make"
+    pool = EnvPool(env, dirs=[tmp_path], tool_s=1.0, workers=2, max_turns=3,
+                   registry=registry)
+    task: asyncio.Task[None] | None = None
+    try:
+        runs = RunStore(redis, Archive(tmp_path))
+        spec = RunSpec(model="tiny-chat", samples_per_prompt=4, prompts_per_step=1,
+                       dataset=DatasetSpec(path="x.jsonl"), env=env, max_turns=3)
+        run_id = (await runs.create(spec))["id"]
+        ledger = Ledger(redis, lease_ttl_s=60.0)
+        await ledger.create_step(run_id, 0, 0, [prompt.prompt_token_ids], 4, 64,
+                                 extra={"max_turns": 3})
+        turns = Turns(redis)
+        await serve(nc, names.TRAINER_TOOLS, ToolClaim, turns.on_claim)
+        await serve(nc, names.TRAINER_ANSWER, ToolResult, turns.on_answer)
+        await pool.start()
+        loop = ToolLoop(ManagerClient(nc, "t0"), pool, chat, run_id, 0,
+                        [StepPrompt(prompt.prompt_token_ids, QUESTION, prompt.prompt_text,
+                                    "5")], seed=0, poll_s=0.05)
+        task = asyncio.create_task(loop.run())
+        ids = tok("<calc>2+3</calc><|im_end|>", add_special_tokens=False)["input_ids"]
+        for sample in range(4):
+            rid = request_id(run_id, 0, 0, sample)
+            lease = await ledger.assign(rid, "i0", 1.0, 0, 2)
+            assert lease is not None
+            [got] = await ledger.commit(TokenFrame(instance_id="i0", entries=[FrameEntry.of(
+                request_id=rid, epoch=lease.epoch, weight_version=0, offset=0,
+                token_ids=ids, final=True, finish_reason="stop")]))
+            assert got.status == "tool"
+        # Every response ends (the step's barrier can come), the hung call within its limit.
+        await until(lambda: _all_done(redis, run_id), "every response to end", 20)
+        rewards = [await redis.hget(Keys.request(request_id(run_id, 0, 0, s)), "env_reward")
+                   for s in range(4)]
+        assert [float(r) for r in rewards] == [0.0, 0.0, 0.0, 1.0]
+        counted = registry.get_sample_value
+        for reason in ("timeout", "raised", "invalid"):
+            assert counted("rlboost_env_call_failures_total", {"reason": reason}) == 1, reason
+        assert counted("rlboost_env_call_timeouts_total") == 1
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await pool.close()
+        await nc.close()
+        await redis.aclose()
+
+
+async def _all_done(redis: Any, run_id: str) -> bool:
+    return int(await redis.scard(Keys.done(run_id, 0))) == 4
