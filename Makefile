@@ -106,11 +106,12 @@ bench-sim-check: venv
 .PHONY: chaos
 # The fault campaign at scale, outside CI (CI runs its bounded default of 50 faults):
 # process, broker and link faults until FAULTS have hit, every run equal to the fault-free one;
-# then agentic runs (multi-turn, a tool per turn) under a fifth as many, the trainer killed too
+# then agentic runs (multi-turn, a tool per turn) under a fifth as many, the trainer killed too,
+# and asynchronous runs (staleness 1 and 2) under a tenth each
 FAULTS ?= 1000
 chaos: venv
-	RLBOOST_CHAOS_FAULTS=$(FAULTS) $(PYTEST) -s -k "faulted_run or agentic" tests/system/test_faults.py \
-		tests/system/test_agentic.py
+	RLBOOST_CHAOS_FAULTS=$(FAULTS) $(PYTEST) -s -k "faulted_run or agentic or async" \
+		tests/system/test_faults.py tests/system/test_agentic.py tests/system/test_async.py
 
 .PHONY: bench-paper-sim
 # The paper's figure set at the paper's scale in the simulator: docs/results/ and the page

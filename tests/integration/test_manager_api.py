@@ -84,6 +84,8 @@ def metric(client: httpx.Client, name: str, **labels: str) -> float:
     {"off_policy": "importance"},
     {"off_policy": "tis", "off_policy_cap": 0.5},  # a cap below 1 would weigh every token down
     {"off_policy_cap": 2.0},  # a cap with no correction to apply it to
+    {"staleness": 9},
+    {"dynamic_sampling": True, "staleness": 1},  # it closes the trained step only
 ])
 def test_bad_run_specs_are_422_with_detail(manager: httpx.Client, body: dict[str, object]) -> None:
     resp = manager.post("/v1/runs", json=body)
