@@ -51,8 +51,8 @@ def version_bytes(weights_url: str, run_id: str, version: int) -> tuple[int, int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3,
                         help="LoRA's usual ~10x the full fine-tuning rate (2e-4 here)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
