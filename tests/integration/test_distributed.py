@@ -42,6 +42,7 @@ from shared.spec import LoraSpec, RunSpec
 from tests.support.torchrun import run_job
 from trainer_svc.embedded import task
 from trainer_svc.embedded.tiny import tiny_config
+from trainer_svc.errors import RunSpecError
 from trainer_svc.learn.policies import Policy, TorchPolicy, distributed, make_policy
 from trainer_svc.learn.policies.distributed import DistributedPolicy, Launch
 from trainer_svc.learn.policies.fsdp import ShardingConfig
@@ -163,7 +164,7 @@ def _rank_main(root: Path, case: str) -> None:
                     DistributedPolicy.setup(model_dir, root / "run-x", LR, 0,
                                             sharding=ShardingConfig(), lora=_lora(case))
                     raise AssertionError("lora with FSDP2 was accepted")
-                except ValueError as exc:
+                except RunSpecError as exc:  # the run fails, saying so
                     assert "lora is not supported by the sharded" in str(exc)
             policy, stats = _scenario(lambda: DistributedPolicy.setup(
                 model_dir, root / "run-2", LR, 0, dtype=torch.float64,

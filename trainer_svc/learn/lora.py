@@ -5,8 +5,10 @@ Contract:
 - :func:`wrap` turns the loaded base into a PEFT model with the run's
   :class:`~shared.spec.LoraSpec`: only the adapter matrices require a gradient, so the step
   trainer and AdamW (which take the parameters that do) never touch a base weight; those stay
-  bit-identical to the model directory's for the whole run. The adapters start as PEFT
-  initialises them (A random from torch's generator, B zero), so step 0's policy *is* the base.
+  bit-identical to the model directory's for the whole run. Target modules that match nothing
+  are a :class:`~trainer_svc.errors.RunSpecError`: the run fails, saying so. The adapters start
+  as PEFT initialises them (A random from torch's generator, B zero), so step 0's policy *is*
+  the base.
 - :class:`BaseView` is the frozen reference policy of a KL term: the same modules with the
   adapters disabled (PEFT's ``disable_adapter``), no second copy of the weights.
 - :func:`adapter_state` / :func:`load_adapter_state`: what a checkpoint keeps of the model
@@ -41,6 +43,7 @@ from peft.tuners.lora import LoraLayer
 
 from shared.spec import LoraSpec
 from shared.weights.manifest import ADAPTER_FILES, ADAPTER_SUFFIX
+from trainer_svc.errors import RunSpecError
 from trainer_svc.learn.algorithms.logprobs import dropout_off
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter
@@ -56,7 +59,7 @@ def wrap(model: torch.nn.Module, spec: LoraSpec) -> PeftModel:
     try:
         peft_model = get_peft_model(model, config)  # type: ignore[arg-type]
     except ValueError as exc:  # PEFT's "Target modules ... not found in the base model"
-        raise ValueError(f"lora.target_modules: {exc}") from exc
+        raise RunSpecError(f"lora.target_modules: {exc}") from exc
     return peft_model
 
 

@@ -62,7 +62,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from shared.algorithm import AlgorithmConfig
 from shared.spec import LoraSpec
-from trainer_svc.errors import group_lost
+from trainer_svc.errors import RunSpecError, group_lost
 from trainer_svc.learn.checkpoint import RunCheckpoints
 from trainer_svc.learn.policies.fsdp import ShardedPolicy, ShardingConfig
 from trainer_svc.learn.policies.publish import (
@@ -437,7 +437,7 @@ class DistributedPolicy:
         if lora is not None and sharding is not None:
             # FSDP2 would shard the frozen base too and its checkpoints write every parameter;
             # neither is wired for adapters yet. Refused before any rank loads anything.
-            raise ValueError("lora is not supported by the sharded (FSDP2) trainer yet; run "
+            raise RunSpecError("lora is not supported by the sharded (FSDP2) trainer yet; run "
                              "it on a replicated trainer (RLBOOST_TRAINER_SHARDING=replicate)")
         cmd = Setup(model_dir, run_dir, learning_rate, seed, dtype,
                     algorithm or AlgorithmConfig.for_algorithm(), shape or RunShape(),
