@@ -109,8 +109,11 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
             key = key.replace(".base_layer.", ".")
             owner, _, leaf = key.rpartition(".")
             if leaf == "weight" and owner in deltas:
-                # A new tensor: the live base weight is left exactly as it was.
-                value = value + deltas[owner].to(value.dtype)
+                # A new tensor: the live base weight is left exactly as it was. Summed in the
+                # wider dtype (PEFT keeps adapters of a half-precision base in float32).
+                delta = deltas[owner]
+                wide = torch.promote_types(value.dtype, delta.dtype)
+                value = (value.to(wide) + delta.to(wide)).to(value.dtype)
             merged[key] = value  # others keep their storage, so tied weights stay tied
     return merged
 
