@@ -88,6 +88,12 @@ bench-wan: venv
 bench-algorithms: venv
 	$(BIN)/python -m benchmarks.algorithms
 
+.PHONY: bench-lora
+# LoRA runs of tiny-chat through REST, three seeds: reward first-5 vs last-5, and the adapter's
+# bytes against the merged model's
+bench-lora: venv
+	$(BIN)/python -m benchmarks.lora
+
 .PHONY: bench-paper
 # The paper's comparison, emulated GPU time on the real services; writes docs/results/
 bench-paper: venv

@@ -10,10 +10,12 @@ and the commands that talk to a running manager (RLBOOST_MANAGER_URL, RLBOOST_AP
     rlboost watch RUN_ID                                          follow a run live until it ends
     rlboost cancel RUN_ID                                         POST /v1/runs/RUN_ID/cancel
     rlboost resume RUN_ID                                         POST /v1/runs/RUN_ID/resume
-    rlboost export RUN_ID DIR [--version N]                       a run's weights as an HF model
+    rlboost export RUN_ID DIR [--version N] [--merged]            a run's weights as an HF model
                                                                   directory, from the weight
                                                                   service (RLBOOST_WEIGHTS_URL,
-                                                                  RLBOOST_WEIGHTS_READ_TOKEN)
+                                                                  RLBOOST_WEIGHTS_READ_TOKEN);
+                                                                  of a LoRA run its adapter, or
+                                                                  with --merged the merged model
     rlboost certs DIR [--host NAME ...] [--force]                 a CA and TLS certificates for
                                                                   NATS, the manager, the weight
                                                                   service and rollout peers
@@ -205,11 +207,12 @@ def cmd_run_action(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     try:
-        done = run_export(args.run_id, Path(args.dir), args.version)
+        done = run_export(args.run_id, Path(args.dir), args.version, args.merged)
     except ExportError as exc:
         print(f"rlboost export: {exc}", file=sys.stderr)
         return 1
-    print(f"{done.run_id} version {done.version} -> {done.path}: {', '.join(done.files)}")
+    what = "LoRA adapter " if done.adapter else ""
+    print(f"{done.run_id} version {done.version} -> {what}{done.path}: {', '.join(done.files)}")
     return 0
 
 
@@ -297,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("dir", help="where to write it (must not exist, or be empty)")
     export.add_argument("--version", type=int, default=None,
                         help="weight version (default: the newest the weight service holds)")
+    export.add_argument("--merged", action="store_true",
+                        help="of a LoRA run: the merged model instead of the adapter")
     certs = sub.add_parser("certs", help="make a CA and TLS certificates (docs/deployment.md)")
     certs.add_argument("dir", help="where to write them (created, keys 0600)")
     certs.add_argument("--host", action="append", metavar="NAME",

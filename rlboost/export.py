@@ -1,4 +1,4 @@
-"""``rlboost export RUN_ID DIR [--version N]``: a run's weights as an HF model directory.
+"""``rlboost export RUN_ID DIR [--version N] [--merged]``: a run's weights as an HF directory.
 
 Contract: DIR ends up holding one weight version of the run exactly as the trainer published
 it (``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer files of
@@ -9,6 +9,12 @@ directory beside DIR that is renamed to DIR at the end: DIR appears whole or not
 existing non-empty DIR is never touched. Without ``--version``, the newest version the service
 holds: the final one of a finished run, the last trained one of a cancelled or failed run.
 ``GET /v1/runs/{id}/checkpoints`` lists the versions the run keeps (``save_every``).
+
+A LoRA run's version carries its adapter beside the merged model (:mod:`trainer_svc.learn.lora`).
+Its export is the adapter as PEFT writes it (``adapter_model.safetensors``,
+``adapter_config.json``) with the base's tokenizer and generation files, loadable with
+``peft.PeftModel.from_pretrained(<the run's base model>, DIR)``; with ``merged`` it is the merged
+model instead, as for a full fine-tuning run (whose export ``merged`` does not change).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from shared.errors import WeightsError
 from shared.tls import Tls
 from shared.weights import MANIFEST_NAME, list_versions, pull_version
+from shared.weights.manifest import ADAPTER_FILES, ADAPTER_SUFFIX
 
 # What makes a directory loadable; the rest (tokenizer files) travels when the base has it.
 REQUIRED = ("config.json",)
@@ -38,6 +45,7 @@ class Exported:
     version: int
     path: Path
     files: list[str]
+    adapter: bool = False  # the files are a LoRA adapter, not a whole model
 
 
 def _choose(run_id: str, versions: list[int], asked: int | None) -> int:
@@ -52,9 +60,19 @@ def _choose(run_id: str, versions: list[int], asked: int | None) -> int:
     return asked
 
 
+def _adapter_only(pulled: Path) -> None:
+    """Keep a LoRA version's adapter under PEFT's names, and drop the merged model."""
+    for path in list(pulled.iterdir()):
+        if path.name == "config.json" or path.name.endswith(
+                (".safetensors", ".safetensors.index.json")):
+            path.unlink()
+    for name in ADAPTER_FILES:
+        (pulled / (name + ADAPTER_SUFFIX)).replace(pulled / name)
+
+
 async def export(weights_url: str, token: str | None, run_id: str, dest: Path,
                  version: int | None = None, timeout_s: float = 120,
-                 tls: Tls | None = None) -> Exported:
+                 tls: Tls | None = None, merged: bool = False) -> Exported:
     """Pull one version of ``run_id`` into ``dest`` (module doc); raises :class:`ExportError`."""
     dest = dest.resolve()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -69,8 +87,16 @@ async def export(weights_url: str, token: str | None, run_id: str, dest: Path,
             pulled = await pull_version(weights_url, token, run_id, chosen, scratch,
                                         timeout_s=timeout_s, tls=tls)
             (pulled / MANIFEST_NAME).unlink(missing_ok=True)
+            adapter = (pulled / (ADAPTER_FILES[0] + ADAPTER_SUFFIX)).is_file()
+            if adapter and not merged:
+                _adapter_only(pulled)
+            else:
+                for name in ADAPTER_FILES:
+                    (pulled / (name + ADAPTER_SUFFIX)).unlink(missing_ok=True)
+            adapter = adapter and not merged
             files = sorted(p.name for p in pulled.iterdir())
-            missing = [name for name in REQUIRED if name not in files]
+            missing = [name for name in (ADAPTER_FILES if adapter else REQUIRED)
+                       if name not in files]
             if missing or not any(name.endswith(".safetensors") for name in files):
                 raise ExportError(f"version {chosen} of run {run_id} is not an HF model "
                                   f"directory (it holds {files}); an emu run has no weights")
@@ -81,12 +107,13 @@ async def export(weights_url: str, token: str | None, run_id: str, dest: Path,
             shutil.rmtree(scratch, ignore_errors=True)
     except WeightsError as exc:
         raise ExportError(str(exc)) from exc
-    return Exported(run_id, chosen, dest, files)
+    return Exported(run_id, chosen, dest, files, adapter)
 
 
-def run_export(run_id: str, dest: Path, version: int | None) -> Exported:
+def run_export(run_id: str, dest: Path, version: int | None, merged: bool = False) -> Exported:
     """The CLI's call: the service and token from the environment, as every service reads them."""
     url = os.environ.get("RLBOOST_WEIGHTS_URL", "http://127.0.0.1:8001")
     token = os.environ.get("RLBOOST_WEIGHTS_READ_TOKEN") or os.environ.get(
         "RLBOOST_WEIGHTS_TOKEN") or None
-    return asyncio.run(export(url, token, run_id, dest, version, tls=Tls.client_env()))
+    return asyncio.run(export(url, token, run_id, dest, version, tls=Tls.client_env(),
+                              merged=merged))

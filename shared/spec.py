@@ -55,6 +55,24 @@ class EvalSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     split: Key = "train"
 
 
+# Qwen2's (and Llama's) attention and MLP projections: every linear layer of a decoder block.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ModuleName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][\w.]*$", max_length=256)]
+
+
+class LoraSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """LoRA (Hu et al. 2021) through PEFT: adapters of ``rank`` on the named linear layers of a
+    frozen base; the update is scaled by ``alpha / rank`` (docs/algorithms.md, LoRA)."""
+
+    rank: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
+    alpha: Annotated[float, msgspec.Meta(gt=0.0, le=65536.0)] = 16.0
+    # Kept for PEFT's config (adapter_config.json); only 0 is accepted (RunSpec._check_lora).
+    dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    # Module names (or name suffixes) PEFT matches against the model's linear layers.
+    target_modules: Annotated[list[ModuleName], msgspec.Meta(min_length=1, max_length=64)] = (
+        msgspec.field(default_factory=lambda: list(LORA_TARGETS)))
+
+
 class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Body of ``POST /v1/runs``; every field has a default, unknown fields are rejected."""
 
@@ -125,6 +143,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     max_tool_s: Annotated[float, msgspec.Meta(gt=0.0, le=300.0)] = 10.0  # per tool call
     # An observation longer than this many tokens is cut to it (and counted).
     max_observation_tokens: Annotated[int, msgspec.Meta(ge=1, le=32768)] = 256
+    # LoRA adapters on a frozen base instead of full fine-tuning (None: every weight trains).
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         # A ValueError here is a validation error to msgspec's decoder: a bad combination of
@@ -132,6 +152,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         self.algorithm_config()
         self._check_data()
         self._check_env()
+        self._check_lora()
 
     def algorithm_config(self) -> AlgorithmConfig:
         """The objective this run trains with: knobs, paper defaults scaled to the run."""
@@ -176,6 +197,16 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
             # Closing a dynamic step aborts responses in flight; one waiting for its
             # environment's answer is in neither the leased nor the pending set it walks.
             raise ValueError("dynamic_sampling is not supported with max_turns > 1 yet")
+
+    def _check_lora(self) -> None:
+        if self.lora is None:
+            return
+        if emulated_model(self.model):
+            raise ValueError(f"lora needs a real model; {self.model!r} is emulated (no weights)")
+        if self.lora.dropout > 0.0:
+            # Every log-prob the trainer takes is taken with dropout off (the ratio must
+            # compare one function with itself), so LoRA dropout would never apply.
+            raise ValueError("lora.dropout must be 0: the trainer scores with dropout off")
 
     def min_version(self, step: int) -> int:
         """The oldest weight version a token of ``step`` may come from (invariant 2)."""

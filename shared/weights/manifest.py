@@ -25,6 +25,11 @@ NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # never starts with
 MAX_VERSION = 10**9
 MANIFEST_NAME = "manifest.json"  # sits beside the files in a version directory: reserved
 DELTA_PREFIX = "rlboost-delta-"  # reserved: the delta blob of a version, built by the service
+# A LoRA run's version also carries PEFT's adapter files, each under its name plus this suffix:
+# no loader that globs "*.safetensors" or looks for "adapter_config.json" sees them, so every
+# engine loads the merged model beside them (trainer_svc.learn.lora, rlboost export).
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+ADAPTER_SUFFIX = ".lora"
 MAX_CHUNKS = 1 << 20  # a manifest naming more chunks than this is refused (bounded memory)
 
 

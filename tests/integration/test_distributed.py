@@ -38,12 +38,14 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from shared.algorithm import AlgorithmConfig
-from shared.spec import RunSpec
+from shared.spec import LoraSpec, RunSpec
 from tests.support.torchrun import run_job
 from trainer_svc.embedded import task
 from trainer_svc.embedded.tiny import tiny_config
+from trainer_svc.errors import RunSpecError
 from trainer_svc.learn.policies import Policy, TorchPolicy, distributed, make_policy
 from trainer_svc.learn.policies.distributed import DistributedPolicy, Launch
+from trainer_svc.learn.policies.fsdp import ShardingConfig
 from trainer_svc.learn.step_trainer import Group, RunShape
 
 LR = 1e-2
@@ -62,9 +64,17 @@ CASES: dict[str, dict[str, Any]] = {
     "gspo": {},
 }
 FULL = ("grpo", "reinforce_pp_baseline", "dapo")  # the four-step scenario; the rest one step
+# A case "<algorithm>+lora" trains LoRA adapters on the frozen base instead of every weight.
+LORA_CASES = ("grpo+lora",)
+LORA = LoraSpec(rank=4, alpha=8.0)
+
+
+def _lora(case: str) -> LoraSpec | None:
+    return LORA if case.endswith("+lora") else None
 
 
 def _algorithm(case: str) -> AlgorithmConfig:
+    case = case.removesuffix("+lora")
     return AlgorithmConfig.for_run({"algorithm": case, **CASES[case]},
                                    max_new_tokens=SHAPE.max_new_tokens,
                                    groups_per_step=SHAPE.groups_per_step)
@@ -99,7 +109,7 @@ def _steps(case: str) -> list[list[Group]]:
         # (AdamW's momentum would move the weights on a zero gradient).
         [_group(rng, 4, 0, no_signal=True)],
     ]
-    return steps if case in FULL else steps[:1]
+    return steps if case.removesuffix("+lora") in FULL else steps[:1]
 
 
 def _model_dir(root: Path) -> Path:
@@ -148,9 +158,17 @@ def _rank_main(root: Path, case: str) -> None:
             # What the service gets from make_policy in a multi-rank job (float32, not used on).
             picked = make_policy(spec, root, root / "run-picked", 0.0)
             assert isinstance(picked, DistributedPolicy)
+            if _lora(case) is not None:
+                # Refused before any rank loads anything: the job stays usable.
+                try:
+                    DistributedPolicy.setup(model_dir, root / "run-x", LR, 0,
+                                            sharding=ShardingConfig(), lora=_lora(case))
+                    raise AssertionError("lora with FSDP2 was accepted")
+                except RunSpecError as exc:  # the run fails, saying so
+                    assert "lora is not supported by the sharded" in str(exc)
             policy, stats = _scenario(lambda: DistributedPolicy.setup(
                 model_dir, root / "run-2", LR, 0, dtype=torch.float64,
-                algorithm=_algorithm(case), shape=SHAPE), case)
+                algorithm=_algorithm(case), shape=SHAPE, lora=_lora(case)), case)
             model = _model_of(policy)
             (root / "stats.json").write_text(json.dumps(stats))
         else:
@@ -176,7 +194,7 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *LORA_CASES])
 def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None, case: str) -> None:
     model_dir = _model_dir(tmp_path)
     started = time.monotonic()
@@ -186,7 +204,7 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None, case: str) -
 
     ref, ref_stats = _scenario(lambda: TorchPolicy(
         model_dir, tmp_path / "run-1", LR, 0, dtype=torch.float64,
-        algorithm=_algorithm(case), shape=SHAPE), case)
+        algorithm=_algorithm(case), shape=SHAPE, lora=_lora(case)), case)
     ref_params = _model_of(ref).state_dict()
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
@@ -198,7 +216,13 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None, case: str) -
         torch.testing.assert_close(rank0[name], want, rtol=0, atol=ATOL, msg=name)
         torch.testing.assert_close(rank1[name], rank0[name], rtol=0, atol=0, msg=name)
         worst = max(worst, float((rank0[name] - want).abs().max()))
-        moved = max(moved, float((want - init[name]).abs().max()))
+        if _lora(case) is None:
+            moved = max(moved, float((want - init[name]).abs().max()))
+        elif "lora_B" in name:  # PEFT starts B at zero
+            moved = max(moved, float(want.abs().max()))
+        elif ".lora_" not in name:  # the frozen base, bit for bit
+            base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            assert torch.equal(want, init[base]), name
     assert moved > 1e-4  # the steps moved the weights, so equality is not vacuous
     print(f"2 ranks vs 1 rank: max |param diff| {worst:.3e}, 2-rank job {two_s:.1f} s")
 
@@ -213,11 +237,12 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None, case: str) -
             if name in want:
                 assert got[name] == pytest.approx(want[name], rel=1e-9), name
     assert stats[0]["groups"] == 5 and stats[0]["grad_norm"] > 0
-    if case not in FULL:
+    if case.removesuffix("+lora") not in FULL:
         return
     # The one-group step really ran on rank 1 alone and still moved the shared weights.
     assert stats[1]["groups"] == 1 and stats[1]["grad_norm"] > 0
-    if case == "grpo":  # a KL term, or DAPO's length shaping, has a gradient without signal
+    # A KL term, or DAPO's length shaping, has a gradient without signal.
+    if case.removesuffix("+lora") == "grpo":
         assert stats[3]["grad_norm"] == 0.0
     if _algorithm(case).updates_per_step > 1:
         assert stats[0]["clip_fraction"] > 0

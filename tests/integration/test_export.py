@@ -5,7 +5,8 @@ generation config listing two EOS ids) is checkpointed the way the trainer does
 (:class:`trainer_svc.learn.checkpoint.RunCheckpoints`), published to a real weight service behind a
 write and a read token, and exported with the read token. ``AutoTokenizer`` then renders a chat
 prompt exactly as the trainer's :class:`trainer_svc.inputs.chat.ChatFormat` did, and
-``AutoModelForCausalLM`` generates from it, stopping on the generation config's EOS ids.
+``AutoModelForCausalLM`` generates from it, stopping on the generation config's EOS ids. A LoRA
+version exports as its PEFT adapter, or with ``merged`` as the merged model.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
 
 from rlboost.export import ExportError, export
+from shared.spec import LoraSpec
 from shared.weights import upload_version
+from shared.weights.manifest import ADAPTER_SUFFIX
 from tests.integration.test_weight_svc import ServiceProcess
 from trainer_svc.embedded.tiny_chat import (
     ENDOFTEXT,
@@ -28,6 +32,7 @@ from trainer_svc.embedded.tiny_chat import (
     train_tokenizer,
 )
 from trainer_svc.inputs.chat import ChatFormat, eos_token_ids
+from trainer_svc.learn import lora
 from trainer_svc.learn.checkpoint import RunCheckpoints
 
 WRITE, READ = "export-write", "export-read"
@@ -89,3 +94,42 @@ async def test_a_version_without_an_hf_model_is_refused(service: ServiceProcess,
     assert [p.name for p in tmp_path.iterdir()] == ["emu"]  # no scratch left behind
     with pytest.raises(ExportError, match="no version of run run-none"):
         await export(service.url, READ, "run-none", tmp_path / "out")
+
+
+async def test_lora_version_exports_its_adapter_or_merged_model(service: ServiceProcess,
+                                                                tmp_path: Path) -> None:
+    base = chat_base(tmp_path / "base")
+    policy = lora.wrap(AutoModelForCausalLM.from_pretrained(base), LoraSpec(rank=4, alpha=8.0))
+    with torch.no_grad():  # a trained adapter: B is zero until the first step
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    checkpoints = RunCheckpoints(tmp_path / "run", base)
+    checkpoints.save(policy, torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad]), 3)
+    await upload_version(service.url, WRITE, "run-lora", 3, checkpoints.hf_dir(3))
+    ids = torch.tensor([[5, 40, 41, 7, 99, 12]])
+    with torch.no_grad():
+        want = policy(input_ids=ids).logits
+
+    done = await export(service.url, READ, "run-lora", tmp_path / "adapter")
+    assert done.adapter and not (tmp_path / "adapter" / "model.safetensors").exists()
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(
+        done.files)
+    assert not [n for n in done.files if n.endswith(ADAPTER_SUFFIX) or n == "config.json"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), done.path)
+    with torch.no_grad():
+        assert torch.equal(adapted(input_ids=ids).logits, want)
+
+    merged = await export(service.url, READ, "run-lora", tmp_path / "merged", merged=True)
+    assert not merged.adapter and "model.safetensors" in merged.files
+    assert not [n for n in merged.files if "adapter" in n]
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(merged.path)(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # What a LoRA version costs on top of its merged model, at tiny-chat's shape and rank 4.
+    sizes = {p.name: p.stat().st_size for p in checkpoints.hf_dir(3).iterdir()}
+    extra = sum(v for k, v in sizes.items() if k.endswith(ADAPTER_SUFFIX))
+    print(f"tiny-chat, rank 4: adapter {extra} B vs model {sizes['model.safetensors']} B "
+          f"({100 * extra / sizes['model.safetensors']:.1f} %)")
+    assert extra < 0.05 * sizes["model.safetensors"]

@@ -126,6 +126,15 @@ def test_each_algorithm_is_accepted_with_its_defaults(manager: httpx.Client) -> 
       "max_turns": 99}, "max_turns"),
     ({"model": "tiny-chat", "dataset": {"path": "d.jsonl"}, "env": "calculator",
       "max_tool_s": -1}, "max_tool_s"),
+    ({"model": "tiny-chat", "lora": {"rank": 0}}, "'lora', 'rank'"),
+    ({"model": "tiny-chat", "lora": {"rank": 4096}}, "'lora', 'rank'"),
+    ({"model": "tiny-chat", "lora": {"alpha": 0}}, "'lora', 'alpha'"),
+    ({"model": "tiny-chat", "lora": {"dropout": 1.0}}, "'lora', 'dropout'"),
+    ({"model": "tiny-chat", "lora": {"dropout": 0.05}}, "lora.dropout must be 0"),
+    ({"model": "tiny-chat", "lora": {"target_modules": []}}, "'lora', 'target_modules'"),
+    ({"model": "tiny-chat", "lora": {"target_modules": ["q_proj; rm"]}}, "target_modules"),
+    ({"model": "tiny-chat", "lora": {"rank": 8, "scale": 2}}, "scale"),
+    ({"model": "emu", "lora": {}}, "lora needs a real model"),
 ])
 def test_bad_data_fields_are_422_naming_them(manager: httpx.Client, body: dict[str, object],
                                              names: str) -> None:

@@ -4,16 +4,20 @@ Contract: :func:`load_policy` loads a run's base model (an HF model directory) o
 way the trainer, its eval and the self-checks read weights. :class:`RunCheckpoints` keeps one
 run's state under ``<data dir>/trainer/<run id>/``: ``v<k>.pt`` holds the policy and optimizer
 after k optimizer steps; ``hf-<k>/`` is the same policy as an HF model directory (what the
-weight service publishes); ``finish-<n>.json`` is the report of step n. Every file is written
-to a temporary name and renamed, and the report of step n is written before checkpoint n+1, so
-a checkpoint on disk always has its report.
+weight service publishes); ``finish-<n>.json`` is the report of step n. A LoRA run's
+``v<k>.pt`` holds the adapter instead of the model (its base is the model directory), and its
+``hf-<k>/`` the merged model plus the adapter's files (:mod:`trainer_svc.learn.lora`).
+Every file is written to a temporary name and renamed, and the report of step n is written
+before checkpoint n+1, so a checkpoint on disk always has its report.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import msgspec
 import torch
@@ -33,6 +37,15 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn
         model_dir, dtype=dtype, local_files_only=True
     )
     return model
+
+
+def _lora(model: torch.nn.Module) -> ModuleType | None:
+    """:mod:`trainer_svc.learn.lora` when ``model`` is a LoRA policy, else None; a process
+    that never imported PEFT has no LoRA policy, and does not import it here either."""
+    if "peft" not in sys.modules:
+        return None
+    from trainer_svc.learn import lora
+    return lora if lora.is_lora(model) else None
 
 
 class RunCheckpoints:
@@ -57,7 +70,11 @@ class RunCheckpoints:
         if version is None:
             return 0
         state = torch.load(self._pt(version), map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
+        lora = _lora(model)
+        if lora is not None:
+            lora.load_adapter_state(model, state["adapter"])
+        else:
+            model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if not self.hf_dir(version).is_dir():
             self._save_hf(model, version)
@@ -66,7 +83,10 @@ class RunCheckpoints:
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, version: int) -> None:
         self._save_hf(model, version)
         tmp = self._pt(version).with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+        lora = _lora(model)
+        weights = ({"adapter": lora.adapter_state(model)} if lora is not None
+                   else {"model": model.state_dict()})
+        torch.save({**weights, "optimizer": optimizer.state_dict()}, tmp)
         os.replace(tmp, self._pt(version))
         for old in range(version - KEEP, -1, -1):
             if not self._pt(old).exists() and not self.hf_dir(old).exists():
@@ -78,7 +98,14 @@ class RunCheckpoints:
         final = self.hf_dir(version)
         tmp = self.root / f".hf-{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        lora = _lora(model)
+        if lora is not None:
+            # What every engine loads is the merged model; the adapter rides along.
+            model.get_base_model().save_pretrained(  # type: ignore[operator]
+                tmp, state_dict=lora.merged_state_dict(model), safe_serialization=True)
+            lora.save_adapter(model, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         for name in BASE_FILES:
             if (self.base_dir / name).is_file():
                 shutil.copy2(self.base_dir / name, tmp / name)

@@ -181,7 +181,8 @@ class StepTrainer:
         self.pad_id = pad_id
         self.reference = reference if cfg.needs_reference else None
         self.reduce = reduce
-        self.params = list(model.parameters())
+        # The trained parameters: all of them, or a LoRA run's adapters (its base is frozen).
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.reset()
 
     def reset(self) -> None:

@@ -76,6 +76,6 @@ def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
     if channel() is not None:
         # Under torchrun with several ranks: the same model, data-parallel over the ranks.
         return DistributedPolicy.setup(model_dir, run_dir, learning_rate, seed,
-                                       algorithm=algorithm, shape=shape)
+                                       algorithm=algorithm, shape=shape, lora=spec.lora)
     return TorchPolicy(model_dir, run_dir, learning_rate, seed, algorithm=algorithm,
-                       shape=shape)
+                       shape=shape, lora=spec.lora)

@@ -61,7 +61,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from shared.algorithm import AlgorithmConfig
-from trainer_svc.errors import group_lost
+from shared.spec import LoraSpec
+from trainer_svc.errors import RunSpecError, group_lost
 from trainer_svc.learn.checkpoint import RunCheckpoints
 from trainer_svc.learn.policies.fsdp import ShardedPolicy, ShardingConfig
 from trainer_svc.learn.policies.publish import (
@@ -97,6 +98,7 @@ class Setup:
     algorithm: AlgorithmConfig  # the run's objective
     shape: RunShape  # what the objective needs of the run's shape
     sharding: ShardingConfig | None = None  # FSDP2 over the ranks; None = replicated
+    lora: LoraSpec | None = None  # adapters on a frozen base (replicated runs only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +335,7 @@ def _build(setup: Setup, device: torch.device) -> Local:
                              shape=setup.shape, sharding=setup.sharding)
     return TorchPolicy(setup.model_dir, setup.run_dir, setup.learning_rate, setup.seed,
                        dtype=setup.dtype, device=device, algorithm=setup.algorithm,
-                       shape=setup.shape, reduce=all_reduce_grads)
+                       shape=setup.shape, reduce=all_reduce_grads, lora=setup.lora)
 
 
 def _sync_restore(local: TorchPolicy, version: int | None) -> int:
@@ -426,13 +428,20 @@ class DistributedPolicy:
     def setup(cls, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
               dtype: torch.dtype = torch.float32, *, algorithm: AlgorithmConfig | None = None,
               shape: RunShape | None = None,
-              sharding: ShardingConfig | None = None) -> DistributedPolicy:
+              sharding: ShardingConfig | None = None,
+              lora: LoraSpec | None = None) -> DistributedPolicy:
         chan = channel()
         if chan is None:
             raise DistributedError("torch.distributed is not initialised with several ranks")
+        sharding = sharding or chan.sharding
+        if lora is not None and sharding is not None:
+            # FSDP2 would shard the frozen base too and its checkpoints write every parameter;
+            # neither is wired for adapters yet. Refused before any rank loads anything.
+            raise RunSpecError("lora is not supported by the sharded (FSDP2) trainer yet; run "
+                             "it on a replicated trainer (RLBOOST_TRAINER_SHARDING=replicate)")
         cmd = Setup(model_dir, run_dir, learning_rate, seed, dtype,
                     algorithm or AlgorithmConfig.for_algorithm(), shape or RunShape(),
-                    sharding or chan.sharding)
+                    sharding, lora)
         chan.send(cmd)
         return cls(_build(cmd, chan.device), chan)
 

@@ -4,6 +4,8 @@ Contract: :class:`TorchPolicy` keeps the :class:`~trainer_svc.learn.policies.bas
 on the CPU or one GPU; the step's math is :class:`~trainer_svc.learn.step_trainer.StepTrainer`.
 With a KL term it also holds the frozen reference policy: the run's initial weights, loaded
 from the model directory (never from a checkpoint, so a restarted trainer has the same one).
+A LoRA run (``lora``, :mod:`trainer_svc.learn.lora`) trains adapters on the frozen base
+instead; its reference is that base, seen through the same modules with the adapters off.
 Under torchrun each rank holds one of these and :mod:`trainer_svc.learn.policies.distributed` keeps
 them identical; nothing here knows about ranks beyond the ``reduce`` hook it passes on.
 :class:`ModelPolicy` is what it shares with the sharded policy
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from shared.algorithm import AlgorithmConfig
+from shared.spec import LoraSpec
 from trainer_svc.embedded import task
 from trainer_svc.learn.checkpoint import RunCheckpoints, load_policy
 from trainer_svc.learn.schedule import learning_rate_at
@@ -47,8 +50,9 @@ class ModelPolicy:
         """Train ``model`` with AdamW (no weight decay); ``reference()`` loads the frozen
         reference policy, called only when the algorithm has a KL term."""
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate,
-                                           weight_decay=0.0)
+        # Only what trains has AdamW state: a LoRA run's adapters, else every weight.
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                           lr=learning_rate, weight_decay=0.0)
         cfg = algorithm or AlgorithmConfig.for_algorithm()
         self.trainer = StepTrainer(model, self.optimizer, cfg, shape or RunShape(), task.PAD_ID,
                                    reference=reference() if cfg.needs_reference else None,
@@ -82,14 +86,23 @@ class TorchPolicy(ModelPolicy):
     def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None, *,
                  algorithm: AlgorithmConfig | None = None, shape: RunShape | None = None,
-                 reduce: Reduce = local_reduce) -> None:
+                 reduce: Reduce = local_reduce, lora: LoraSpec | None = None) -> None:
         torch.manual_seed(seed)
         model = load_policy(model_dir, dtype=dtype)
+        base_view: Callable[[], torch.nn.Module] | None = None
+        if lora is not None:
+            # Imported here: PEFT takes seconds to import and only a LoRA run needs it.
+            from trainer_svc.learn import lora as adapters
+            wrapped = adapters.wrap(model, lora)
+            model = wrapped
+            base_view = lambda: adapters.BaseView(wrapped)  # noqa: E731
         if device is not None:
             model.to(device)
         model.train()
 
         def reference() -> torch.nn.Module:
+            if base_view is not None:
+                return base_view()
             frozen = load_policy(model_dir, dtype=dtype)
             if device is not None:
                 frozen.to(device)

@@ -1,0 +1,98 @@
+"""A LoRA run end to end: tiny-chat on the shipped word problems through REST, the torch engine,
+real brokers, a KL term against the frozen base; then ``rlboost export`` of its final version.
+
+Invariants 1-3 hold as for any run (every sample's reward recomputed here from its text). The
+final version is the merged model: every weight outside the adapted projections is the base's
+bit for bit, the adapted ones moved; its export is the adapter, which on the base gives the
+merged model's logits. A ``target_modules`` that matches nothing fails its run at setup, saying
+so, and the queue goes on. (Whether LoRA runs learn is ``make bench-lora``: docs/algorithms.md.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlboost.export import export
+from rlboost.launcher import Cluster
+from rlboost.stack import Stack
+from shared.spec import LORA_TARGETS
+from tests.support.cluster import start_cluster, wait_run
+from tests.support.invariants import check_run, step_records
+from trainer_svc.embedded.tiny_chat import tiny_chat_key
+from trainer_svc.inputs.chat import ChatFormat, eos_token_ids
+from trainer_svc.inputs.data import DatasetSpec, load_prompts
+from trainer_svc.inputs.rewards import math_reward
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = str(ROOT / "examples" / "data" / "word-problems-train.jsonl")
+SPEC: dict[str, Any] = {
+    "model": "tiny-chat", "dataset": {"path": TRAIN}, "steps": 3, "prompts_per_step": 4,
+    "samples_per_prompt": 4, "max_new_tokens": 16, "learning_rate": 2e-3, "seed": 0,
+    "kl_coef": 0.05, "lora": {"rank": 4, "alpha": 8}}
+
+
+@pytest.fixture
+def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path, brokers, spot=1, reserved=1,
+                      env={"RLBOOST_DATASET_ROOTS": str(ROOT / "examples")})
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_lora_run_trains_adapters_and_exports_them(cluster: Cluster, tmp_path: Path) -> None:
+    with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=10) as client:
+        run_id = client.post("/v1/runs", json=SPEC).json()["id"]
+        bad = client.post("/v1/runs", json={**SPEC, "lora": {"target_modules": ["nope_proj"]}})
+        # The first includes building tiny-chat: about a minute of CPU, ten under heavy load.
+        final = wait_run(client, run_id, timeout_s=1500, cluster=cluster)
+        assert final["state"] == "succeeded", final
+        failed = wait_run(client, bad.json()["id"], timeout_s=300, cluster=cluster)
+        assert failed["state"] == "failed" and "lora.target_modules" in failed["error"], failed
+
+        base_dir = tmp_path / "data" / "models" / f"tiny-chat-{tiny_chat_key(0)}"
+        tokenizer = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+        chat = ChatFormat(tokenizer)
+        train = load_prompts(DatasetSpec(TRAIN), require_answer=True)
+        check_run(client, run_id, SPEC,
+                  prompts=lambda step: [chat.render(e.prompt).prompt_token_ids
+                                        for e in train.draw(0, step, 4)],
+                  eos_id=eos_token_ids(base_dir, tokenizer),
+                  sample_reward=lambda s: math_reward(s["prompt"], s["response_text"],
+                                                      s["answer"]))
+        records = step_records(client, run_id)
+        assert all(r["grad_norm"] > 0 for r in records[1:]), records
+        assert all("kl" in r for r in records)
+
+    weights = cluster.env["RLBOOST_WEIGHTS_URL"]
+    merged = asyncio.run(export(weights, None, run_id, tmp_path / "merged", merged=True))
+    assert merged.version == SPEC["steps"] and not merged.adapter
+    base = load_file(base_dir / "model.safetensors")
+    trained = load_file(merged.path / "model.safetensors")
+    assert trained.keys() == base.keys()
+    adapted = [k for k in base if k.rsplit(".", 2)[-2] in LORA_TARGETS and k.endswith("weight")]
+    assert adapted
+    for key, value in base.items():
+        assert torch.equal(trained[key], value) is (key not in adapted), key
+
+    adapter = asyncio.run(export(weights, None, run_id, tmp_path / "adapter"))
+    assert adapter.adapter and "adapter_model.safetensors" in adapter.files
+    ids = torch.tensor([chat.render("Tom has 3 apples and buys 4 more.").prompt_token_ids])
+    on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
+                                        adapter.path)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(merged.path)(input_ids=ids).logits
+        torch.testing.assert_close(on_base(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
