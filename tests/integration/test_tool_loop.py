@@ -285,7 +285,9 @@ async def test_a_hung_raising_or_invalid_tool_ends_its_response_and_the_step_goe
     nc = await connect_nats(brokers.nats.url, "test-tool-bad")
     registry = CollectorRegistry()
     env = "python:bad_env:make"
-    pool = EnvPool(env, dirs=[tmp_path], tool_s=1.0, workers=2, max_turns=3,
+    # One worker per episode: the worker killed for the hung call would take any other episode
+    # it held with it (counted `lost`, tested in test_env_pool), hiding the `raised` case here.
+    pool = EnvPool(env, dirs=[tmp_path], tool_s=1.0, workers=4, max_turns=3,
                    registry=registry)
     task: asyncio.Task[None] | None = None
     try:
