@@ -215,6 +215,14 @@ def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack,
                     "duplicate_chunks_dropped")})
         print(f"faulted run counters: {dict(totals)}")
         assert totals["preemptions"] > 0 and totals["migrations"] > 0
+        # Delta versions ran under the campaign too: an emu version differs from the one before in
+        # every word, and its XOR compresses to a few KB, so the service keeps a delta for each,
+        # and an instance that held version n-1 pulled n as one (the samples above are what
+        # those weights served). Counted on the instances alive now (a killed one's counts died
+        # with it).
+        pulls = weight_pulls(client)
+        print(f"weight pulls by the instances alive at the end: {dict(pulls)}")
+        assert pulls["delta"] > 0, pulls
         # Only faults that hit a live process while a run was under way count.
         counted = injector.counted(ended)
         late = injector.total() - counted.total()
@@ -271,6 +279,21 @@ def check_hangs(injector: Injector, counted: Counter[str]) -> None:
     assert engine >= 0.10 * counted.total(), counted  # issue 37: at least 10 % of a campaign
     assert all((w.moved_s or 0.0) <= HANG_DETECT_S for w in clear), [
         (w.child.name, w.moved_s) for w in clear]
+
+
+def weight_pulls(client: httpx.Client) -> Counter[str]:
+    """``rlboost_rollout_weight_pulls_total`` by kind, summed over the registered instances that
+    still answer (a fault may have killed one since it last registered)."""
+    pulls: Counter[str] = Counter()
+    for inst in client.get("/v1/instances").json():
+        try:
+            text = httpx.get(f"http://127.0.0.1:{inst['metrics_port']}/metrics", timeout=5).text
+        except httpx.TransportError:
+            continue
+        for kind, value in re.findall(
+                r'^rlboost_rollout_weight_pulls_total\{kind="(\w+)"\} (\S+)', text, re.M):
+            pulls[kind] += int(float(value))
+    return pulls
 
 
 def victim_revocations(metrics_port: int) -> float:
