@@ -4,8 +4,10 @@ real brokers, a KL term against the frozen base; then ``rlboost export`` of its 
 Invariants 1-3 hold as for any run (every sample's reward recomputed here from its text). The
 final version is the merged model: every weight outside the adapted projections is the base's
 bit for bit, the adapted ones moved; its export is the adapter, which on the base gives the
-merged model's logits. A ``target_modules`` that matches nothing fails its run at setup, saying
-so, and the queue goes on. (Whether LoRA runs learn is ``make bench-lora``: docs/algorithms.md.)
+merged model's logits. The same run again with its trainer and then its spot instance SIGKILLed
+mid-step (the LoRA run of the fault campaign) equals the first sample for sample. A
+``target_modules`` that matches nothing fails its run at setup, saying so, and the queue goes
+on. (Whether LoRA runs learn is ``make bench-lora``: docs/algorithms.md.)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rlboost.stack import Stack
 from shared.spec import LORA_TARGETS
 from tests.support.cluster import start_cluster, wait_run
 from tests.support.invariants import check_run, step_records
+from tests.system.test_restart import child, kill_and_restart, wait_step
 from trainer_svc.embedded.tiny_chat import tiny_chat_key
 from trainer_svc.inputs.chat import ChatFormat, eos_token_ids
 from trainer_svc.inputs.data import DatasetSpec, load_prompts
@@ -67,15 +70,36 @@ def test_lora_run_trains_adapters_and_exports_them(cluster: Cluster, tmp_path: P
         tokenizer = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
         chat = ChatFormat(tokenizer)
         train = load_prompts(DatasetSpec(TRAIN), require_answer=True)
-        check_run(client, run_id, SPEC,
-                  prompts=lambda step: [chat.render(e.prompt).prompt_token_ids
-                                        for e in train.draw(0, step, 4)],
-                  eos_id=eos_token_ids(base_dir, tokenizer),
-                  sample_reward=lambda s: math_reward(s["prompt"], s["response_text"],
-                                                      s["answer"]))
+        def checked(run: str) -> dict[int, list[dict[str, Any]]]:
+            return check_run(client, run, SPEC,
+                             prompts=lambda step: [chat.render(e.prompt).prompt_token_ids
+                                                   for e in train.draw(0, step, 4)],
+                             eos_id=eos_token_ids(base_dir, tokenizer),
+                             sample_reward=lambda s: math_reward(s["prompt"], s["response_text"],
+                                                                 s["answer"]))
+        clean = checked(run_id)
         records = step_records(client, run_id)
         assert all(r["grad_norm"] > 0 for r in records[1:]), records
         assert all("kl" in r for r in records)
+
+        # The same run under faults: the trainer SIGKILLed mid-step (it resumes from the last
+        # adapter checkpoint, optimizer state included), then the spot instance (its responses
+        # migrate). Every sample equals the fault-free run's: adapters restored exactly, and
+        # the merged versions the instances pull are the same bytes.
+        faulted_id = client.post("/v1/runs", json=SPEC).json()["id"]
+        wait_step(client, faulted_id, 1)
+        kill_and_restart(child(cluster, "trainer"))
+        wait_step(client, faulted_id, 2)
+        kill_and_restart(child(cluster, "spot-0"))
+        final = wait_run(client, faulted_id, timeout_s=600, cluster=cluster)
+        assert final["state"] == "succeeded", final
+        faulted = checked(faulted_id)
+        assert faulted.keys() == clean.keys()
+        for step, samples in faulted.items():
+            want = {(x["prompt_index"], x["sample_index"]): x["response_token_ids"]
+                    for x in clean[step]}
+            assert {(x["prompt_index"], x["sample_index"]): x["response_token_ids"]
+                    for x in samples} == want, step
 
     weights = cluster.env["RLBOOST_WEIGHTS_URL"]
     merged = asyncio.run(export(weights, None, run_id, tmp_path / "merged", merged=True))
