@@ -27,7 +27,14 @@ from redis.exceptions import RedisError
 
 from manager_svc.crash import STEP_CREATE_COMMIT, STEP_CREATE_REQUESTS, CrashPoints
 from manager_svc.scripts import Call, register, run_batch
-from shared.digest import RowDigest, row_digest, rows_digest, token_csv, turns_json
+from shared.digest import (
+    RowDigest,
+    row_digest,
+    rows_digest,
+    token_csv,
+    turns_json,
+    versions_text,
+)
 from shared.names import Keys, parse_request_id, request_id
 from shared.protocol import Assignment, Digest, Sample, TokenFrame, unpack_logprobs
 from shared.turns import Turn, loss_mask, response_turns
@@ -107,7 +114,8 @@ def stored_digest(row: Row) -> RowDigest:
     """A stored response's part of the step's digest, hashed from its stored text."""
     p, s, version, prompt, tokens = row[:5]
     return row_digest(int(p or 0), int(s or 0), int(version or 0), prompt or "", tokens or "",
-                      turns_json(stored_turns(row)) if row[7] else "")
+                      turns_json(stored_turns(row)) if row[7] else "",
+                      versions_text(stored_versions(row)))
 
 
 def _ints(text: str | None) -> list[int]:

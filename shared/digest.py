@@ -3,10 +3,12 @@
 Contract: the manager (at the barrier, from what Redis holds) and the trainer (over what it
 trained on) compute a step's :class:`~shared.protocol.Digest` with these functions alone, in
 one format, so equal digests mean the same responses, each once, with the same tokens
-(invariant 3). The digest is order-independent and covers ids, weight versions and tokens, and
-a multi-turn sample's turns (:func:`turns_json`): they decide which tokens are trained, so two
-steps that differ only in them trained on different data. A sample without turns hashes as it
-did before turns existed.
+(invariant 3). The digest is order-independent and covers ids, weight versions and tokens, a
+multi-turn sample's turns (:func:`turns_json`) and an asynchronous response's per-token versions
+(:func:`versions_text`): turns decide which tokens are trained and versions whether a token may
+be trained at a step (the staleness bound) and how it is corrected, so two steps that differ only
+in them trained on different data. A sample without turns or versions hashes as it did before
+either existed.
 """
 
 from __future__ import annotations
@@ -35,8 +37,14 @@ def sample_digest(samples: list[Sample]) -> Digest:
     """
     return rows_digest([row_digest(s.prompt_index, s.sample_index, s.weight_version,
                                    token_csv(s.prompt_token_ids), token_csv(s.response_token_ids),
-                                   turns_json(s.turns))
+                                   turns_json(s.turns), versions_text(s.token_versions))
                         for s in samples])
+
+
+def versions_text(token_versions: list[list[int]]) -> str:
+    """An asynchronous response's per-token versions as the digest hashes them: "start:version"
+    per run of tokens, comma-separated ("" for a synchronous response, which hashes as before)."""
+    return ",".join(f"{start}:{version}" for start, version in token_versions)
 
 
 def turns_json(turns: list[Turn]) -> str:
@@ -65,10 +73,11 @@ def csv_digest(rows: list[tuple[int, int, int, str, str]]) -> Digest:
 
 
 def row_digest(p: int, s: int, version: int, prompt: str, response: str,
-               turns: str = "") -> RowDigest:
+               turns: str = "", versions: str = "") -> RowDigest:
     """One row of :func:`csv_digest`: its hash covers the ids, the version, every token and,
-    for a multi-turn sample, its :func:`turns_json` (a single-turn row hashes as before)."""
-    tail = f"|{turns}" if turns else ""
+    for a multi-turn sample, its :func:`turns_json`, for an asynchronous one its
+    :func:`versions_text` (a synchronous single-turn row hashes as before)."""
+    tail = (f"|{turns}" if turns else "") + (f"|v{versions}" if versions else "")
     body = f"{p}:{s}:{version}|{prompt}|{response}{tail};".encode()
     tokens = response.count(",") + 1 if response else 0
     return p, s, hashlib.sha256(body).digest(), tokens

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from manager_svc.accounting import Ledger
 from manager_svc.dispatcher import ActiveStep
 from rlboost.stack import Stack
 from shared.bus import connect_redis
+from shared.digest import sample_digest
 from shared.protocol import Assignment, FrameEntry, TokenFrame
 
 RUN = "run-async"
@@ -65,6 +67,13 @@ async def test_a_response_records_the_version_of_each_run_of_tokens(ledger: Ledg
     assert sample.response_token_ids == [5, 6, 7, 2]
     assert sample.token_versions == [[0, 1], [2, 3]]
     assert sample.weight_version == 3
+    # The barrier's digest, from what Redis holds, is the trainer's over this sample, and it
+    # covers the versions: the same tokens all of version 3 are other training data.
+    digest = await ledger.done_digest(RUN, 3)
+    assert digest == sample_digest([sample])
+    assert digest != sample_digest([msgspec.structs.replace(sample, token_versions=[])])
+    assert digest != sample_digest([msgspec.structs.replace(sample,
+                                                            token_versions=[[0, 2], [2, 3]])])
 
 
 async def test_a_synchronous_step_leases_at_its_own_version(ledger: Ledger) -> None:
@@ -74,6 +83,7 @@ async def test_a_synchronous_step_leases_at_its_own_version(ledger: Ledger) -> N
     assert await commit(ledger, a, "i1", 0, [5, 2], 0, final=True) == "step"
     [sample] = await ledger.samples([rid])
     assert sample.token_versions == [] and sample.weight_version == 0
+    assert await ledger.done_digest(RUN, 0) == sample_digest([sample])
 
 
 def test_which_versions_serve_a_step() -> None:
