@@ -20,6 +20,15 @@ GRPO's constant normaliser, RLOO's leave-one-out baseline, REINFORCE++'s batch w
 without baseline, GSPO's sequence ratio over its default four mini-batches) differ from those
 only in their estimator or loss, so one step of five groups on uneven rank shares each keeps
 the test's cost down.
+
+LoRA (``+lora``) runs the four-step scenario on adapters over the frozen base: replicated, and
+sharded by FSDP2 (``+fsdp2``, float64 throughout), GRPO alone and REINFORCE++ with baseline
+(its KL reference is the sharded base with the adapters off). No sharded rank holds the model,
+so those compare what the job publishes after the scenario (the merged model and the adapter's
+files, same tolerance) and check that the merge is bit for bit the unsharded code's on the
+published adapter and that the checkpoint holds the adapter and its AdamW state alone. The
+restart in the scenario is the checkpoint's round trip: a lost adapter or AdamW moment after it
+moves the weights by ~1e-3.
 """
 
 from __future__ import annotations
@@ -35,10 +44,13 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from transformers import Qwen2ForCausalLM
 
 from shared.algorithm import AlgorithmConfig
 from shared.spec import LoraSpec, RunSpec
+from shared.weights.manifest import ADAPTER_SUFFIX
 from tests.support.torchrun import run_job
 from trainer_svc.embedded import task
 from trainer_svc.embedded.tiny import tiny_config
@@ -46,6 +58,7 @@ from trainer_svc.errors import RunSpecError
 from trainer_svc.learn.policies import Policy, TorchPolicy, distributed, make_policy
 from trainer_svc.learn.policies.distributed import DistributedPolicy, Launch
 from trainer_svc.learn.policies.fsdp import ShardingConfig
+from trainer_svc.learn.sharded_checkpoint import INDEX, file_rank
 from trainer_svc.learn.step_trainer import Group, RunShape
 
 LR = 1e-2
@@ -64,17 +77,29 @@ CASES: dict[str, dict[str, Any]] = {
     "gspo": {},
 }
 FULL = ("grpo", "reinforce_pp_baseline", "dapo")  # the four-step scenario; the rest one step
-# A case "<algorithm>+lora" trains LoRA adapters on the frozen base instead of every weight.
-LORA_CASES = ("grpo+lora",)
+# A case "<algorithm>+lora" trains LoRA adapters on the frozen base instead of every weight;
+# "+fsdp2" shards the ranks' model (base and adapters) with FSDP2 instead of replicating it.
+# With a KL term (reinforce_pp_baseline) the sharded reference is the base, adapters off.
+LORA_CASES = ("grpo+lora", "grpo+lora+fsdp2", "reinforce_pp_baseline+lora+fsdp2")
 LORA = LoraSpec(rank=4, alpha=8.0)
+EXACT = ShardingConfig(param_dtype=None, reduce_dtype=None)  # FSDP2 in float64 throughout
+FINAL = 4  # a sharded case's last version: saved (merged model, adapter) after the scenario
+
+
+def _base(case: str) -> str:
+    return case.split("+")[0]
 
 
 def _lora(case: str) -> LoraSpec | None:
-    return LORA if case.endswith("+lora") else None
+    return LORA if "+lora" in case else None
+
+
+def _sharding(case: str) -> ShardingConfig | None:
+    return EXACT if "+fsdp2" in case else None
 
 
 def _algorithm(case: str) -> AlgorithmConfig:
-    case = case.removesuffix("+lora")
+    case = _base(case)
     return AlgorithmConfig.for_run({"algorithm": case, **CASES[case]},
                                    max_new_tokens=SHAPE.max_new_tokens,
                                    groups_per_step=SHAPE.groups_per_step)
@@ -109,7 +134,7 @@ def _steps(case: str) -> list[list[Group]]:
         # (AdamW's momentum would move the weights on a zero gradient).
         [_group(rng, 4, 0, no_signal=True)],
     ]
-    return steps if case.removesuffix("+lora") in FULL else steps[:1]
+    return steps if _base(case) in FULL else steps[:1]
 
 
 def _model_dir(root: Path) -> Path:
@@ -159,16 +184,18 @@ def _rank_main(root: Path, case: str) -> None:
             picked = make_policy(spec, root, root / "run-picked", 0.0)
             assert isinstance(picked, DistributedPolicy)
             if _lora(case) is not None:
-                # Refused before any rank loads anything: the job stays usable.
-                try:
+                # Target modules that match nothing fail the run at setup, on every rank alike:
+                # the job stays usable for the next run.
+                with pytest.raises(RunSpecError, match=r"lora\.target_modules"):
                     DistributedPolicy.setup(model_dir, root / "run-x", LR, 0,
-                                            sharding=ShardingConfig(), lora=_lora(case))
-                    raise AssertionError("lora with FSDP2 was accepted")
-                except RunSpecError as exc:  # the run fails, saying so
-                    assert "lora is not supported by the sharded" in str(exc)
+                                            sharding=_sharding(case),
+                                            lora=LoraSpec(target_modules=["no_such_proj"]))
             policy, stats = _scenario(lambda: DistributedPolicy.setup(
                 model_dir, root / "run-2", LR, 0, dtype=torch.float64,
-                algorithm=_algorithm(case), shape=SHAPE, lora=_lora(case)), case)
+                algorithm=_algorithm(case), shape=SHAPE, lora=_lora(case),
+                sharding=_sharding(case)), case)
+            if _sharding(case) is not None:
+                policy.save(FINAL)  # no rank holds the model: compared as it is published
             model = _model_of(policy)
             (root / "stats.json").write_text(json.dumps(stats))
         else:
@@ -180,7 +207,86 @@ def _rank_main(root: Path, case: str) -> None:
     # None of the module's threads may outlive leaving: one that ends during interpreter
     # finalization can free the command group there and abort the process.
     assert not [t.name for t in threading.enumerate() if t.name.startswith("dist-")]
-    torch.save(model.state_dict(), root / f"rank{launch.rank}.pt")
+    if _sharding(case) is None:
+        torch.save(model.state_dict(), root / f"rank{launch.rank}.pt")
+
+
+def _compare_ranks(root: Path, ref: Policy, init: dict[str, torch.Tensor],
+                   case: str) -> tuple[float, float]:
+    """Replicated: each rank's parameters against the plain policy's (worst diff, moved)."""
+    rank0 = torch.load(root / "rank0.pt", weights_only=True)
+    rank1 = torch.load(root / "rank1.pt", weights_only=True)
+    worst = moved = 0.0
+    for name, want in _model_of(ref).state_dict().items():
+        assert rank0[name].dtype == torch.float64
+        torch.testing.assert_close(rank0[name], want, rtol=0, atol=ATOL, msg=name)
+        torch.testing.assert_close(rank1[name], rank0[name], rtol=0, atol=0, msg=name)
+        worst = max(worst, float((rank0[name] - want).abs().max()))
+        if _lora(case) is None:
+            moved = max(moved, float((want - init[name]).abs().max()))
+        elif "lora_B" in name:  # PEFT starts B at zero
+            moved = max(moved, float(want.abs().max()))
+        elif ".lora_" not in name:  # the frozen base, bit for bit
+            base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            assert torch.equal(want, init[base]), name
+    return worst, moved
+
+
+def _published(hf_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """A LoRA version's merged weights, its adapter's tensors and its adapter config."""
+    weights: dict[str, torch.Tensor] = {}
+    for path in hf_dir.glob("*.safetensors"):
+        weights.update(load_file(str(path)))
+    adapter = load_file(str(hf_dir / ("adapter_model.safetensors" + ADAPTER_SUFFIX)))
+    config = json.loads((hf_dir / ("adapter_config.json" + ADAPTER_SUFFIX)).read_text())
+    # PEFT keeps target_modules as a set and writes it in the process's string-hash order.
+    config["target_modules"] = sorted(config["target_modules"])
+    return weights, adapter, config
+
+
+def _compare_published(root: Path, ref: TorchPolicy, init: dict[str, torch.Tensor],
+                       model_dir: Path) -> tuple[float, float]:
+    """FSDP2 + LoRA: the sharded job's last version against what the plain policy publishes.
+
+    The merged model and the adapter within ATOL of the plain policy's; the base's tensors
+    that no adapter touches bit for bit the model directory's; the merged weights bit for bit
+    what the unsharded merge makes of the sharded job's own adapter; and the checkpoint holds
+    the adapter and its AdamW state, no base weight (worst diff, moved)."""
+    from trainer_svc.learn import lora  # PEFT: seconds to import, only these cases need it
+
+    ref.save(FINAL)
+    want, want_adapter, want_config = _published(ref.checkpoints.hf_dir(FINAL))
+    hf_dir = root / "run-2" / f"hf-{FINAL}"
+    got, adapter, config = _published(hf_dir)
+    index = json.loads((hf_dir / INDEX).read_text())
+    assert set(index["weight_map"]) == set(got) == set(want)
+    assert {file_rank(f) for f in index["weight_map"].values()} == {0, 1}  # both ranks wrote
+    assert config == want_config and set(adapter) == set(want_adapter)
+    worst = 0.0
+    for tensors, wanted in ((got, want), (adapter, want_adapter)):
+        for name, tensor in wanted.items():
+            assert tensors[name].dtype == torch.float64
+            torch.testing.assert_close(tensors[name], tensor, rtol=0, atol=ATOL, msg=name)
+            worst = max(worst, float((tensors[name] - tensor).abs().max()))
+    adapted = [n for n in got if any(f".{m}.weight" in n for m in LORA.target_modules)]
+    assert adapted
+    for name in set(got) - set(adapted):
+        assert torch.equal(got[name], init[name]), name
+    plain = lora.wrap(Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float64), LORA)
+    lora.load_adapter_state(plain, adapter)
+    merged = lora.merged_state_dict(plain)
+    for name in got:
+        assert torch.equal(got[name], merged[name]), name
+    saved = FileSystemReader(str(root / "run-2" / f"v{FINAL}.dcp")).read_metadata()
+    keys = list(saved.state_dict_metadata)
+    model_keys = [k for k in keys if k.startswith("model.")]
+    moments = [k for k in keys if k.startswith("optimizer.state.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:3]
+    assert moments and all(".lora_" in k for k in moments), moments[:3]
+    adapter_bytes = (hf_dir / ("adapter_model.safetensors" + ADAPTER_SUFFIX)).stat().st_size
+    print(f"adapter {adapter_bytes} B beside {sum(t.nbytes for t in got.values())} B merged; "
+          f"checkpoint: {len(model_keys)} adapter tensors, {len(moments)} AdamW moments")
+    return worst, max(float(t.abs().max()) for n, t in adapter.items() if "lora_B" in n)
 
 
 @pytest.fixture
@@ -205,26 +311,14 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None, case: str) -
     ref, ref_stats = _scenario(lambda: TorchPolicy(
         model_dir, tmp_path / "run-1", LR, 0, dtype=torch.float64,
         algorithm=_algorithm(case), shape=SHAPE, lora=_lora(case)), case)
-    ref_params = _model_of(ref).state_dict()
-    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     init = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float64).state_dict()
-
-    worst = moved = 0.0
-    for name, want in ref_params.items():
-        assert rank0[name].dtype == torch.float64
-        torch.testing.assert_close(rank0[name], want, rtol=0, atol=ATOL, msg=name)
-        torch.testing.assert_close(rank1[name], rank0[name], rtol=0, atol=0, msg=name)
-        worst = max(worst, float((rank0[name] - want).abs().max()))
-        if _lora(case) is None:
-            moved = max(moved, float((want - init[name]).abs().max()))
-        elif "lora_B" in name:  # PEFT starts B at zero
-            moved = max(moved, float(want.abs().max()))
-        elif ".lora_" not in name:  # the frozen base, bit for bit
-            base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-            assert torch.equal(want, init[base]), name
+    if _sharding(case) is None:
+        worst, moved = _compare_ranks(tmp_path, ref, init, case)
+    else:
+        assert isinstance(ref, TorchPolicy)
+        worst, moved = _compare_published(tmp_path, ref, init, model_dir)
     assert moved > 1e-4  # the steps moved the weights, so equality is not vacuous
-    print(f"2 ranks vs 1 rank: max |param diff| {worst:.3e}, 2-rank job {two_s:.1f} s")
+    print(f"{case}: 2 ranks vs 1 rank: max |param diff| {worst:.3e}, 2-rank job {two_s:.1f} s")
 
     stats = json.loads((tmp_path / "stats.json").read_text())
     for got, want in zip(stats, ref_stats, strict=True):
@@ -237,15 +331,17 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, one_thread: None, case: str) -
             if name in want:
                 assert got[name] == pytest.approx(want[name], rel=1e-9), name
     assert stats[0]["groups"] == 5 and stats[0]["grad_norm"] > 0
-    if case.removesuffix("+lora") not in FULL:
+    if _base(case) not in FULL:
         return
     # The one-group step really ran on rank 1 alone and still moved the shared weights.
     assert stats[1]["groups"] == 1 and stats[1]["grad_norm"] > 0
     # A KL term, or DAPO's length shaping, has a gradient without signal.
-    if case.removesuffix("+lora") == "grpo":
+    if _base(case) == "grpo":
         assert stats[3]["grad_norm"] == 0.0
     if _algorithm(case).updates_per_step > 1:
-        assert stats[0]["clip_fraction"] > 0
+        # The second pass clips: at once when every weight trains; adapters start at zero
+        # (B = 0) and their first step moves the ratio less, so a step later.
+        assert stats[0 if _lora(case) is None else 1]["clip_fraction"] > 0
 
 
 def test_world_of_one_is_the_plain_torch_policy(tmp_path: Path) -> None:

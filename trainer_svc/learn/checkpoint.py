@@ -39,7 +39,7 @@ def load_policy(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn
     return model
 
 
-def _lora(model: torch.nn.Module) -> ModuleType | None:
+def lora_of(model: torch.nn.Module) -> ModuleType | None:
     """:mod:`trainer_svc.learn.lora` when ``model`` is a LoRA policy, else None; a process
     that never imported PEFT has no LoRA policy, and does not import it here either."""
     if "peft" not in sys.modules:
@@ -70,7 +70,7 @@ class RunCheckpoints:
         if version is None:
             return 0
         state = torch.load(self._pt(version), map_location="cpu", weights_only=True)
-        lora = _lora(model)
+        lora = lora_of(model)
         if lora is not None:
             lora.load_adapter_state(model, state["adapter"])
         else:
@@ -83,7 +83,7 @@ class RunCheckpoints:
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, version: int) -> None:
         self._save_hf(model, version)
         tmp = self._pt(version).with_suffix(".tmp")
-        lora = _lora(model)
+        lora = lora_of(model)
         weights = ({"adapter": lora.adapter_state(model)} if lora is not None
                    else {"model": model.state_dict()})
         torch.save({**weights, "optimizer": optimizer.state_dict()}, tmp)
@@ -98,7 +98,7 @@ class RunCheckpoints:
         final = self.hf_dir(version)
         tmp = self.root / f".hf-{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        lora = _lora(model)
+        lora = lora_of(model)
         if lora is not None:
             # What every engine loads is the merged model; the adapter rides along.
             model.get_base_model().save_pretrained(  # type: ignore[operator]

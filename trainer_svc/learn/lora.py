@@ -109,19 +109,26 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
             key = key.replace(".base_layer.", ".")
             owner, _, leaf = key.rpartition(".")
             if leaf == "weight" and owner in deltas:
-                # A new tensor: the live base weight is left exactly as it was. Summed in the
-                # wider dtype (PEFT keeps adapters of a half-precision base in float32).
-                delta = deltas[owner]
-                wide = torch.promote_types(value.dtype, delta.dtype)
-                value = (value.to(wide) + delta.to(wide)).to(value.dtype)
+                value = merged_weight(value, deltas[owner])
             merged[key] = value  # others keep their storage, so tied weights stay tied
     return merged
 
 
-def save_adapter(model: PeftModel, version_dir: Path) -> None:
-    """Write the adapter's files into ``version_dir`` under hidden names (module doc)."""
+def merged_weight(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``weight + delta`` in ``weight``'s dtype, as a new tensor: the live base weight is left
+    exactly as it was. Summed in the wider dtype (PEFT keeps adapters of a half-precision base
+    in float32)."""
+    wide = torch.promote_types(weight.dtype, delta.dtype)
+    return (weight.to(wide) + delta.to(wide)).to(weight.dtype)
+
+
+def save_adapter(model: PeftModel, version_dir: Path,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the adapter's files into ``version_dir`` under hidden names (module doc); from
+    ``state_dict`` (the model's own names) in place of the live weights when given, as a
+    sharded model's gathered adapter."""
     with tempfile.TemporaryDirectory(dir=version_dir.parent) as scratch:
-        model.save_pretrained(scratch, safe_serialization=True)
+        model.save_pretrained(scratch, safe_serialization=True, state_dict=state_dict)
         for name in ADAPTER_FILES:
             (Path(scratch) / name).replace(version_dir / (name + ADAPTER_SUFFIX))
 

@@ -13,6 +13,10 @@ place of ``v<k>.pt``):
   reaches ``file_bytes``. A rank's memory for this is therefore bounded by ``file_bytes`` plus
   the largest single parameter, never the model. Rank 0 writes the index from every rank's
   list of names, the config and the tokenizer files.
+- A LoRA policy's ``v<k>.dcp/`` holds the adapter's shards and their AdamW state only (the
+  frozen base is the model directory, loaded again on restart, as for one process); its
+  ``hf-<k>/`` is the merged model, written the same way, plus the adapter's files, written by
+  rank 0 (:mod:`trainer_svc.learn.sharded_lora`).
 - Each rank's files are named ``model-r<rank>-<n>.safetensors``, so :func:`file_rank` tells
   which rank wrote (and uploads, :mod:`trainer_svc.learn.policies.publish`) a file of the directory;
   the index, config and tokenizer files are rank 0's.
@@ -29,7 +33,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -37,6 +44,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -46,7 +54,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from trainer_svc.learn.checkpoint import BASE_FILES, KEEP, RunCheckpoints
+from trainer_svc.learn.checkpoint import BASE_FILES, KEEP, RunCheckpoints, lora_of
 
 FILE_BYTES = 1 << 30  # a rank's largest safetensors file, hence its extra memory while saving
 INDEX = "model.safetensors.index.json"
@@ -76,6 +84,18 @@ def _owners(sizes: list[int], world: int) -> list[int]:
     return owner
 
 
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def _sharded_lora(model: torch.nn.Module) -> ModuleType | None:
+    """:mod:`trainer_svc.learn.sharded_lora` for a LoRA policy, else None (nor imported)."""
+    if lora_of(model) is None:
+        return None
+    from trainer_svc.learn import sharded_lora
+    return sharded_lora
+
+
 def write_hf(model: torch.nn.Module, out: Path, base_dir: Path,
              file_bytes: int = FILE_BYTES) -> None:
     """Write ``model`` (sharded or not) as an HF directory at ``out`` (module doc)."""
@@ -84,8 +104,13 @@ def write_hf(model: torch.nn.Module, out: Path, base_dir: Path,
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
     dist.barrier()
-    params = list(model.named_parameters())  # tied weights once, under HF's first name
-    owner = _owners([p.numel() * p.element_size() for _, p in params], world)
+    adapters = _sharded_lora(model)
+    # (name, parameter, collective gather of its full tensor); tied weights once, under HF's
+    # first name. A LoRA policy's are the merged model's (sharded_lora).
+    params: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]] = (
+        adapters.merged_tensors(model) if adapters is not None
+        else [(name, p, partial(_full, p)) for name, p in model.named_parameters()])
+    owner = _owners([p.numel() * p.element_size() for _, p, _ in params], world)
     kept: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
     files = 0
@@ -99,8 +124,8 @@ def write_hf(model: torch.nn.Module, out: Path, base_dir: Path,
             files += 1
             kept = {}
 
-    for (name, p), who in zip(params, owner, strict=True):
-        full = p.full_tensor() if isinstance(p, DTensor) else p
+    for (name, _, gather), who in zip(params, owner, strict=True):
+        full = gather()
         if who == rank:
             kept[name] = full.detach().to("cpu", copy=True).contiguous()
             if sum(t.numel() * t.element_size() for t in kept.values()) >= file_bytes:
@@ -111,14 +136,42 @@ def write_hf(model: torch.nn.Module, out: Path, base_dir: Path,
     dist.all_gather_object(maps, weight_map)
     if rank == 0:
         merged = {k: v for m in maps if m for k, v in m.items()}
-        total = sum(p.numel() * p.element_size() for _, p in params)
+        total = sum(p.numel() * p.element_size() for _, p, _ in params)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2))
         model.config.save_pretrained(out)  # type: ignore[union-attr, operator]
         for name in BASE_FILES:
             if (base_dir / name).is_file():
                 shutil.copy2(base_dir / name, out / name)
+    if adapters is not None:
+        adapters.save_adapter(model, out)
     dist.barrier()
+
+
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """A LoRA policy's checkpoint leaves the frozen base out (module doc); loading it then
+    cannot be strict, so :func:`_check_loaded` checks instead."""
+    return StateDictOptions(strict=lora_of(model) is None)
+
+
+def _trained(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA policy's ``state`` less its frozen base (buffers included: the base is the model
+    directory); any other model's whole. By hand: torch's own ``ignore_frozen_params`` keeps a
+    tied weight's second name (a tied base would write its whole embedding matrix into every
+    checkpoint as ``lm_head.weight``)."""
+    if lora_of(model) is None:
+        return state
+    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trained}
+
+
+def _check_loaded(model: torch.nn.Module, missing: list[str], unexpected: list[str]) -> None:
+    """Every trainable parameter was in the checkpoint, and nothing else was."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    absent = [k for k in missing if k in trainable]
+    if absent or unexpected:
+        raise ValueError(f"checkpoint does not fit the run's model: missing {absent[:3]}, "
+                         f"unexpected {unexpected[:3]}")
 
 
 class ShardedCheckpoints(RunCheckpoints):
@@ -137,17 +190,20 @@ class ShardedCheckpoints(RunCheckpoints):
             return 0
         path = str(self._dcp(version))
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
+        options = _options(model)
         if any(key.startswith("optimizer") for key in saved):
             # get_state_dict first gives AdamW a state (a zero step); loading overwrites all of
             # it, the step count included.
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+            model_sd = _trained(model, model_sd)
             dcp_load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
-            set_state_dict(model, optimizer, model_state_dict=model_sd,
-                           optim_state_dict=optim_sd)
+            result = set_state_dict(model, optimizer, model_state_dict=model_sd,
+                                    optim_state_dict=optim_sd, options=options)
         else:
-            model_sd = get_model_state_dict(model)
+            model_sd = _trained(model, get_model_state_dict(model, options=options))
             dcp_load({"model": model_sd}, checkpoint_id=path)
-            set_model_state_dict(model, model_sd)
+            result = set_model_state_dict(model, model_sd, options=options)
+        _check_loaded(model, result.missing_keys, result.unexpected_keys)
         if _from_rank0(not self.hf_dir(version).is_dir()):
             self._save_hf(model, version)
         return version
@@ -159,13 +215,14 @@ class ShardedCheckpoints(RunCheckpoints):
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         state: dict[str, Any]
+        options = _options(model)
         if optimizer.state:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+            state = {"model": _trained(model, model_sd), "optimizer": optim_sd}
         else:
             # Before the first step AdamW has no state, and get_state_dict would create one
             # by a zero step, which changes the bias correction of every later step.
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": _trained(model, get_model_state_dict(model, options=options))}
         dcp_save(state, checkpoint_id=str(tmp))
         dist.barrier()
         if dist.get_rank() == 0:

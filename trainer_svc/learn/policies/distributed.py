@@ -62,7 +62,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from shared.algorithm import AlgorithmConfig
 from shared.spec import LoraSpec
-from trainer_svc.errors import RunSpecError, group_lost
+from trainer_svc.errors import group_lost
 from trainer_svc.learn.checkpoint import RunCheckpoints
 from trainer_svc.learn.policies.fsdp import ShardedPolicy, ShardingConfig
 from trainer_svc.learn.policies.publish import (
@@ -98,7 +98,7 @@ class Setup:
     algorithm: AlgorithmConfig  # the run's objective
     shape: RunShape  # what the objective needs of the run's shape
     sharding: ShardingConfig | None = None  # FSDP2 over the ranks; None = replicated
-    lora: LoraSpec | None = None  # adapters on a frozen base (replicated runs only)
+    lora: LoraSpec | None = None  # adapters on a frozen base; None = every weight trains
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +332,7 @@ def _build(setup: Setup, device: torch.device) -> Local:
     if setup.sharding is not None:
         return ShardedPolicy(setup.model_dir, setup.run_dir, setup.learning_rate, setup.seed,
                              dtype=setup.dtype, device=device, algorithm=setup.algorithm,
-                             shape=setup.shape, sharding=setup.sharding)
+                             shape=setup.shape, sharding=setup.sharding, lora=setup.lora)
     return TorchPolicy(setup.model_dir, setup.run_dir, setup.learning_rate, setup.seed,
                        dtype=setup.dtype, device=device, algorithm=setup.algorithm,
                        shape=setup.shape, reduce=all_reduce_grads, lora=setup.lora)
@@ -434,11 +434,6 @@ class DistributedPolicy:
         if chan is None:
             raise DistributedError("torch.distributed is not initialised with several ranks")
         sharding = sharding or chan.sharding
-        if lora is not None and sharding is not None:
-            # FSDP2 would shard the frozen base too and its checkpoints write every parameter;
-            # neither is wired for adapters yet. Refused before any rank loads anything.
-            raise RunSpecError("lora is not supported by the sharded (FSDP2) trainer yet; run "
-                             "it on a replicated trainer (RLBOOST_TRAINER_SHARDING=replicate)")
         cmd = Setup(model_dir, run_dir, learning_rate, seed, dtype,
                     algorithm or AlgorithmConfig.for_algorithm(), shape or RunShape(),
                     sharding, lora)

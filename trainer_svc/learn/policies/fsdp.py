@@ -28,10 +28,17 @@ Contract:
 - Checkpoints are :class:`~trainer_svc.learn.sharded_checkpoint.ShardedCheckpoints`: each rank
   writes its own shards (torch.distributed.checkpoint), and the published HF directory is
   written from shards too.
+- A LoRA run (``lora``, :mod:`trainer_svc.learn.lora`) wraps the base in PEFT's adapters
+  *before* sharding, so the frozen base is sharded like any model (1/world of it per rank) but
+  has no gradient and no AdamW state; only the adapters' shards train. Its reference policy is
+  that base with the adapters off (:class:`~trainer_svc.learn.lora.BaseView`), not a second
+  sharded copy. Checkpoints keep the adapter and its AdamW state; versions are the merged
+  model plus the adapter's files (:mod:`trainer_svc.learn.sharded_lora`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +55,7 @@ from torch.distributed.fsdp import (
 
 from shared.algorithm import AlgorithmConfig
 from shared.config import TrainerConfig
+from shared.spec import LoraSpec
 from trainer_svc.learn.checkpoint import load_policy
 from trainer_svc.learn.policies.torch_policy import ModelPolicy
 from trainer_svc.learn.schedule import learning_rate_at
@@ -130,7 +138,7 @@ class ShardedPolicy(ModelPolicy):
     def __init__(self, model_dir: Path, run_dir: Path, learning_rate: float, seed: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None, *,
                  algorithm: AlgorithmConfig | None = None, shape: RunShape | None = None,
-                 sharding: ShardingConfig | None = None) -> None:
+                 sharding: ShardingConfig | None = None, lora: LoraSpec | None = None) -> None:
         device = device or torch.device("cpu")
         sharding = sharding or ShardingConfig()
         torch.manual_seed(seed)
@@ -138,11 +146,21 @@ class ShardedPolicy(ModelPolicy):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._pads: list[int] = []  # per optimizer step of this RL step: pads still to run
-        model = load_policy(model_dir, dtype=dtype).to(device)
+        model = load_policy(model_dir, dtype=dtype)
+        base_view: Callable[[], torch.nn.Module] | None = None
+        if lora is not None:
+            # Imported here: PEFT takes seconds to import and only a LoRA run needs it.
+            from trainer_svc.learn import lora as adapters
+            wrapped = adapters.wrap(model, lora)  # before sharding: the adapters are shards too
+            model = wrapped
+            base_view = lambda: adapters.BaseView(wrapped)  # noqa: E731
+        model.to(device)
         model.train()
         shard(model, sharding, device)
 
         def reference() -> torch.nn.Module:
+            if base_view is not None:
+                return base_view()  # the sharded base itself, adapters off (module doc)
             frozen = load_policy(model_dir, dtype=dtype).to(device)
             frozen.requires_grad_(False)
             shard(frozen, ShardingConfig(sharding.param_dtype, sharding.reduce_dtype), device)
