@@ -4,7 +4,11 @@ with the adapter's files beside it under hidden names."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,3 +163,37 @@ def test_version_is_the_merged_model_with_the_adapter_hidden(model_dir: Path,
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     model_bytes = sum(t.numel() * t.element_size() for t in saved.values())
     assert 0 < adapter_bytes < model_bytes
+
+
+WRITE_ADAPTER = """
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from shared.spec import LoraSpec
+from trainer_svc.learn.lora import save_adapter, wrap
+
+torch.manual_seed(0)
+model = wrap(AutoModelForCausalLM.from_pretrained(sys.argv[1]), LoraSpec(rank=4, alpha=8.0))
+save_adapter(model, Path(sys.argv[2]))
+"""
+
+
+def test_two_processes_write_one_adapter_in_the_same_bytes(model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    # A restarted trainer re-publishes a version byte for byte; PEFT's target modules are a set,
+    # written in each process's string-hash order unless the writer sorts them.
+    written = []
+    for hash_seed in ("1", "2", "3"):
+        out = tmp_path / hash_seed
+        out.mkdir()
+        subprocess.run([sys.executable, "-c", WRITE_ADAPTER, str(model_dir), str(out)],
+                       check=True, env={**os.environ, "PYTHONHASHSEED": hash_seed},
+                       timeout=300)
+        written.append({name: (out / (name + ADAPTER_SUFFIX)).read_bytes()
+                        for name in ADAPTER_FILES})
+    assert written[0] == written[1] == written[2]
+    config = json.loads(written[0]["adapter_config.json"])
+    assert config["target_modules"] == sorted(SPEC.target_modules)

@@ -27,6 +27,7 @@ Importing this module imports PEFT (seconds); the trainer imports it only for a 
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,19 @@ def save_adapter(model: PeftModel, version_dir: Path,
     sharded model's gathered adapter."""
     with tempfile.TemporaryDirectory(dir=version_dir.parent) as scratch:
         model.save_pretrained(scratch, safe_serialization=True, state_dict=state_dict)
+        _canonical_config(Path(scratch) / "adapter_config.json")
         for name in ADAPTER_FILES:
             (Path(scratch) / name).replace(version_dir / (name + ADAPTER_SUFFIX))
+
+
+def _canonical_config(path: Path) -> None:
+    """Rewrite PEFT's adapter config with its set-valued fields sorted. PEFT keeps
+    ``target_modules`` as a set and writes it in the process's string-hash order, so two
+    processes (a trainer restarted mid-run, ranks of one job) wrote one version's config in
+    different bytes: a re-publish must be byte-identical to what was published."""
+    config = json.loads(path.read_text())
+    for key, value in config.items():
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            config[key] = sorted(value)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
