@@ -421,6 +421,7 @@ STEP_STATS = frozenset({
     "kl", "entropy", "clip_fraction", "grad_norm", "advantage_mean", "advantage_std",
     "response_len_mean", "response_len_max", "truncated_fraction", "streamed_fraction",
     "optimizer_steps", "peak_memory_bytes", "tokens_per_s_train", "trained_tokens",
+    "off_policy_weight", "off_policy_capped_fraction", "behaviour_log_ratio_abs",
 })
 
 

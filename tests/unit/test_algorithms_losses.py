@@ -15,6 +15,7 @@ computation over all responses at once, for every algorithm and every aggregatio
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -30,6 +31,7 @@ from shared.algorithm import (
     PolicyLoss,
     Scope,
 )
+from shared.protocol import STEP_STATS
 from trainer_svc.learn.algorithms import advantages as adv
 from trainer_svc.learn.algorithms import losses
 from trainer_svc.learn.algorithms.losses import AggCounts, aggregate, denominator, partial_sum
@@ -458,3 +460,14 @@ def test_model_gradient_streamed_by_group_equals_batch(
     for s, b in zip(streamed, batched, strict=True):
         torch.testing.assert_close(s, b, rtol=1e-9, atol=1e-12)
     assert max(float(b.abs().max()) for b in batched) > 1e-4
+
+
+def test_every_statistic_reaches_the_step_record() -> None:
+    # The manager copies only STEP_STATS into a step's record: a statistic the trainer computes
+    # but the set lacks is silently dropped (the off-policy ones once were).
+    stats = TrainStats()
+    for f in dataclasses.fields(stats):
+        setattr(stats, f.name, 2)
+    summary = stats.summary()
+    assert {"kl", "entropy", "clip_fraction", "off_policy_weight"} <= summary.keys()
+    assert summary.keys() <= STEP_STATS, summary.keys() - STEP_STATS
