@@ -94,6 +94,12 @@ bench-algorithms: venv
 bench-lora: venv
 	$(BIN)/python -m benchmarks.lora
 
+.PHONY: bench-async
+# Asynchronous mode: trained tokens/s at staleness 0/1/2 under a spot trace (emu), then reward
+# on tiny-chat at 0/1/2 with the off-policy corrections on and off, three seeds
+bench-async: venv
+	$(BIN)/python -m benchmarks.staleness
+
 .PHONY: bench-paper
 # The paper's comparison, emulated GPU time on the real services; writes docs/results/
 bench-paper: venv

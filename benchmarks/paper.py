@@ -90,6 +90,15 @@ class Setup:
 
 
 def run_policy(policy: Policy, setup: Setup, root: Path) -> Outcome:
+    records, player, begin, deadline = run_emulated(policy, setup, root)
+    return outcome(policy, setup, records, player, serving_model(setup.model).gpus, begin,
+                   deadline)
+
+
+def run_emulated(policy: Policy, setup: Setup, root: Path
+                 ) -> tuple[list[dict[str, Any]], TracePlayer, float, float]:
+    """One policy's run on a fresh cluster: every step record (step 0 included), the trace
+    player, and the measured window's wall start and end."""
     serving = serving_model(setup.model)
     stack = Stack.create(root / "brokers")
     stack.start()
@@ -130,7 +139,7 @@ def run_policy(policy: Policy, setup: Setup, root: Path) -> Outcome:
         player.stop()
         cluster.stop()
         stack.stop()
-    return outcome(policy, setup, records, player, serving.gpus, begin, deadline)
+    return records, player, begin, deadline
 
 
 # The step record's durations (manager_svc/trainer_api.py), measured in wall seconds.
