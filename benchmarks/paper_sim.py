@@ -17,7 +17,10 @@ agentic workload (:mod:`benchmarks.paper_sim_agentic`) goes to ``paper-sim-agent
 ``sim-agentic.png`` and the page's ``paper-sim-agentic`` markers; ``--only agentic`` runs that
 part alone. The asynchronous rows (:mod:`benchmarks.paper_sim_async`: staleness 1 and 2 beside
 the synchronous runs) go to ``paper-sim-async.md``, ``sim-async.png`` and the page's
-``paper-sim-async`` markers; ``--only async`` runs them alone.
+``paper-sim-async`` markers; ``--only async`` runs them alone. The version-kind rows
+(:mod:`benchmarks.paper_sim_join`: full, delta and adapter pulls on p3) go to
+``paper-sim-join.md`` and the page's ``paper-sim-join`` markers; ``--only join`` runs them alone
+(about ten minutes here, against well over an hour for the whole).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 
 from benchmarks import paper_sim_agentic as agentic
 from benchmarks import paper_sim_async as asynchronous
+from benchmarks import paper_sim_join as join
 from benchmarks import paper_sim_plots as plots
 from benchmarks.trace import load
 from rollout_svc.engines.emu_models import serving_model
@@ -62,6 +66,7 @@ PAGE_BEGIN, PAGE_END = "<!-- paper-sim:begin -->", "<!-- paper-sim:end -->"
 AGENTIC_BEGIN = "<!-- paper-sim-agentic:begin -->"
 AGENTIC_END = "<!-- paper-sim-agentic:end -->"
 ASYNC_BEGIN, ASYNC_END = "<!-- paper-sim-async:begin -->", "<!-- paper-sim-async:end -->"
+JOIN_BEGIN, JOIN_END = "<!-- paper-sim-join:begin -->", "<!-- paper-sim-join:end -->"
 FIGURES = [("throughput and tokens per $", "sim-headline.png"),
            ("spot capacity", "sim-sensitivity.png"), ("ablations", "sim-ablations.png"),
            ("time breakdown", "sim-breakdown.png"),
@@ -110,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-page", type=Path, default=Path("docs/results-simulated.md"),
                         help="the page whose paper-sim section is regenerated")
     parser.add_argument("--steps", type=int, default=16, help="steps of the seeding comparison")
-    parser.add_argument("--only", choices=["all", "agentic", "async"], default="all",
+    parser.add_argument("--only", choices=["all", "agentic", "async", "join"], default="all",
                         help="agentic: only the agentic workload's section (and its own "
                         "single-turn runs); async: only the staleness rows (and their own "
-                        "synchronous runs)")
+                        "synchronous runs); join: only the version-kind rows (and their own "
+                        "full-version runs)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -122,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only == "async":
         write_async(args.out, args.results_page, None, started)
+        return 0
+    if args.only == "join":
+        write_join(args.out, args.results_page, None, started)
         return 0
     sections: list[str] = []
 
@@ -189,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     syncs = {(m, t): (grid[m, t, 1.0][0].outcome, grid[m, t, 1.0][1].outcome)
              for m in MODELS for t in TRACES}
     write_async(args.out, args.results_page, syncs, started)
+    write_join(args.out, args.results_page, syncs, started)
     return 0
 
 
@@ -231,6 +241,23 @@ def write_async(out: Path, page: Path,
     print(body(out))
     replace_section(page, body(page.parent), ASYNC_BEGIN, ASYNC_END)
     print(f"\nwrote {out}/paper-sim-async.md, sim-async.png and {page}'s asynchronous section "
+          f"({time.monotonic() - started:.0f}s in all)")
+
+
+def write_join(out: Path, page: Path,
+               fulls: dict[tuple[str, str], tuple[Outcome, Outcome]] | None,
+               started: float) -> None:
+    """The version-kind rows: their runs (the full-version ones from ``fulls`` if given), file
+    and the page's section."""
+    clusters = {(m, t): cluster_for(t, m, 1.0) for m in MODELS for t in join.TRACES}
+    rows = join.simulate_rows(clusters, SEGMENT_S, fulls)
+    provenance = ("`make bench-paper-sim` (this section alone: "
+                  f"`python -m benchmarks.paper_sim --only join`) at commit `{commit()}`.")
+    body = join.section(rows, provenance)
+    (out / "paper-sim-join.md").write_text(body + "\n")
+    print(body)
+    replace_section(page, body, JOIN_BEGIN, JOIN_END)
+    print(f"\nwrote {out}/paper-sim-join.md and {page}'s version-kind section "
           f"({time.monotonic() - started:.0f}s in all)")
 
 

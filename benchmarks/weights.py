@@ -22,8 +22,13 @@ Printed, all measured in this run:
 
 5. delta versions (:mod:`benchmarks.weights_delta`): over ``--steps`` real training steps of a
    Qwen2-shaped model, the bytes per version a puller holding the version before pulls (the
-   delta) against the version's full bytes, and both pull times, in the same run. ``--only
-   transfer`` or ``--only delta`` runs one part.
+   delta) against the version's full bytes, and both pull times, in the same run.
+6. adapter versions (:mod:`benchmarks.weights_adapter`): the same model, initial weights and
+   steps as 5., trained as a LoRA run at the project's default rank and targets; each version
+   published as its adapter files alone, pulled by a fresh puller; then full, delta and adapter
+   side by side: bytes per version and pull time, each as a ratio of full.
+
+``--only transfer`` or ``--only delta`` (5. and 6.) runs one part.
 
 Pullers write to /dev/shm when it exists: the link and the protocol are measured, not the disk
 (fsync on tmpfs is free; on the VM disk here it costs ~2 s per GiB whatever the protocol).
@@ -52,7 +57,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks import weights_delta
+from benchmarks import weights_adapter, weights_delta
 from shared.weights import PeerServer, pull_version, upload_version
 
 REPO = Path(__file__).resolve().parent.parent
@@ -217,7 +222,10 @@ def main() -> None:
     delta.add_argument("--layers", type=int, default=4)
     delta.add_argument("--hidden", type=int, default=512)
     delta.add_argument("--lr", type=float, default=1e-6)
-    delta.add_argument("--dtypes", default="bf16,fp32")
+    delta.add_argument("--dtypes", default="bf16,fp32",
+                       help="the first is the one the adapter rows are set against")
+    delta.add_argument("--lora-lr", type=float, default=1e-5,
+                       help="the adapter's AdamW rate: LoRA's usual ~10x full fine-tuning's")
     ap.add_argument("--joiner", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.joiner:
@@ -230,7 +238,8 @@ def main() -> None:
 
 
 def bench_deltas(args: argparse.Namespace) -> None:
-    """Section 5 (module doc): delta against full, per version, over real training steps."""
+    """Sections 5 and 6 (module doc): delta and adapter against full, per version, over real
+    training steps."""
     with workspace("deltas") as (root, pulls, _, url):
         dtypes = args.dtypes.split(",")
         started = time.perf_counter()
@@ -239,12 +248,20 @@ def bench_deltas(args: argparse.Namespace) -> None:
         print(f"\n{args.steps} training steps ({args.layers} layers x {args.hidden}, AdamW lr "
               f"{args.lr:g}) in {time.perf_counter() - started:.1f} s; every rebuilt version "
               "equals the trainer's byte for byte (checked)")
+        rows = {}
         for d in dtypes:
-            rows = weights_delta.measure(url, TOKEN, f"delta-{d}", versions[d], pulls)
-            weights_delta.report(d, rows)
+            rows[d] = weights_delta.measure(url, TOKEN, f"delta-{d}", versions[d], pulls)
+            weights_delta.report(d, rows[d])
         d = dtypes[0]
         print(weights_delta.corrupt_one(url, TOKEN, root / "data", f"delta-{d}", versions[d],
                                         pulls))
+        started = time.perf_counter()
+        adapters, described = weights_adapter.train(root / "adapter", args.steps, args.layers,
+                                                     args.hidden, args.lora_lr)
+        print(f"\n{args.steps} LoRA training steps (AdamW lr {args.lora_lr:g}) in "
+              f"{time.perf_counter() - started:.1f} s; {described}")
+        adapter_rows = weights_delta.measure(url, TOKEN, "adapter", adapters, pulls)
+        weights_adapter.report(adapter_rows, rows[d], d)
 
 
 @contextlib.contextmanager

@@ -47,23 +47,34 @@ class Row:
     kind: str  # what the holder's pull did
 
 
-def train(root: Path, steps: int, layers: int, hidden: int, lr: float, dtypes: list[str]
-          ) -> dict[str, list[Path]]:
-    """The versions, per published dtype: ``steps`` + 1 HF directories."""
+def qwen2(layers: int, hidden: int) -> Qwen2ForCausalLM:
+    """The benchmark's model (module doc), initialised from seed 0: every caller gets the same."""
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=32_000, hidden_size=hidden, intermediate_size=hidden * 3,
                       num_hidden_layers=layers, num_attention_heads=hidden // 64,
                       num_key_value_heads=max(1, hidden // 256), max_position_embeddings=512,
                       tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
+    return Qwen2ForCausalLM(cfg)
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int = 32_000) -> None:
+    """One training step: causal-LM loss on random tokens, backward, the optimizer's step."""
+    ids = torch.randint(0, vocab, (4, 128))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def train(root: Path, steps: int, layers: int, hidden: int, lr: float, dtypes: list[str]
+          ) -> dict[str, list[Path]]:
+    """The versions, per published dtype: ``steps`` + 1 HF directories."""
+    model = qwen2(layers, hidden)
+    cfg = model.config
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     out: dict[str, list[Path]] = {d: [] for d in dtypes}
     for v in range(steps + 1):
         if v:
-            ids = torch.randint(0, cfg.vocab_size, (4, 128))
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
+            step(model, opt)
         for d in dtypes:
             hf = root / d / f"v{v}"
             hf.mkdir(parents=True)

@@ -52,6 +52,32 @@ AGENTIC_TOOL_SIGMA = 1.0
 AGENTIC_MAX_TOOL_S = 10.0
 AGENTIC_OBSERVATION_TOKENS = 256
 
+# Version kinds (issue 40, docs/weights.md): what a spot instance that already holds a version
+# pulls for the next one. A joiner holds none, so its first pull is the full version (for an
+# adapter run: the base and the current adapter), unless its image carries the base
+# (``Cluster.base_preseeded``): then an adapter joiner pulls the adapter alone. MEASURED by
+# ``make bench-weights`` (``python -m benchmarks.weights --only delta``, at commit 177deca on
+# this 2-CPU machine): a Qwen2-shaped model (4 layers x 512, 45 M parameters, random init) over
+# 10 real AdamW steps, published in bf16 (89.7 MB a version):
+# * DELTA_BYTES_RATIO: the deltas' bytes over the versions', summed over the 10 versions (16.00
+#   of 896.75 MB; each version's own: 3.1 % after the first step, falling to 1.3 %) at lr 1e-6;
+#   the delta of n applies only to a holder of n - 1, anyone else pulls full.
+# * ADAPTER_BYTES_RATIO: the adapter files (rank 8, alpha 16 on all seven projections, fp32 as
+#   PEFT trains them: 1.221 MB) over the bf16 version's bytes. An adapter's share falls as
+#   models grow (by count, rank 8 on the same projections is ~0.5 % of an 8B model's bytes in
+#   bf16), so at 8B-32B this ratio overstates it. An adapter needs no rebuild, and an engine
+#   loads only it.
+# * DELTA_REBUILD_BYTES_S: a holder's delta pull over loopback, where the link is free, is the
+#   rebuild (read the base, decompress, XOR, hash and write every byte, on one thread): the
+#   version's bytes over that pull's time. e6bb352's run of the same command took 0.22-0.30 s
+#   for 89.7 MB (0.30-0.41 GB/s; 177deca's, on a busier machine, 0.72-1.95 s). Charged after the
+#   delta's transfer, before the load: a holder on a fast link can pull a whole version sooner
+#   than it rebuilds one from a delta.
+DELTA_BYTES_RATIO = 0.0178
+ADAPTER_BYTES_RATIO = 0.0136
+DELTA_REBUILD_BYTES_S = 0.35e9
+VERSION_KINDS = ("full", "delta", "adapter")
+
 
 @dataclass(frozen=True)
 class Turns:
@@ -115,10 +141,16 @@ class Policy:
     # Bounded staleness (issue 39): step m's rollout may start once version m - k is published,
     # so steps n+1 .. n+k roll out while step n trains; 0 is the synchronous protocol.
     staleness: int = 0
+    # What a spot instance holding a version pulls for the next (VERSION_KINDS, above): full
+    # versions, deltas of full fine-tuning, or a LoRA run's adapters over a base.
+    versions: str = "full"
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
             raise ValueError(f"policy {self.name}: staleness {self.staleness} must be >= 0")
+        if self.versions not in VERSION_KINDS:
+            raise ValueError(f"policy {self.name}: versions {self.versions!r} must be one of "
+                             f"{', '.join(VERSION_KINDS)}")
 
 
 RESERVED_ONLY = Policy("reserved-only", spot=False, seeding="off")
@@ -156,6 +188,11 @@ class Costs:
     # Host time per decode step on top of the GPU model: zero for the hardware; the emulation's
     # engines pay their Python loop on shared CPU cores, which the validation measures.
     host_step_s: float = 0.0
+    # Version kinds other than full (Policy.versions): bytes over a full version's, and the
+    # delta's rebuild rate; the measured figures above unless a test sets its own.
+    delta_ratio: float = DELTA_BYTES_RATIO
+    delta_rebuild_bytes_s: float = DELTA_REBUILD_BYTES_S
+    adapter_ratio: float = ADAPTER_BYTES_RATIO
 
     @classmethod
     def emulation(cls, model: str, max_batch: int = 64, grace_s: float = 10.0,
@@ -196,3 +233,6 @@ class Cluster:
     spot_counts: list[int] = field(default_factory=lambda: [0])  # spot instances from each time
     spot_join_at_start: bool = True  # the count at t=0 is up (and holds weights) at the start
     trace_length_s: float = 0.0  # the trace loops after this; 0: after its last change
+    # Spot images carry the base model (a pre-seeded base directory): with adapter versions a
+    # joiner pulls the adapter alone; full and delta versions pull in full at first join anyway.
+    base_preseeded: bool = False

@@ -2,7 +2,16 @@
 
 SIMULATION. Spot instances appear when the trace's count rises (billed from then, usable after
 boot + engine start), pull the current version over the weight service's link, shared by every
-pull in flight (plus what peers that hold the version serve), then load it into HBM. In an
+pull in flight (plus what peers that hold the version serve), then load it into HBM.
+
+What a pull moves follows ``versions`` (:data:`sim.config.VERSION_KINDS`): ``full``, the whole
+version every time; ``delta``, the delta's bytes (``Costs.delta_ratio``) when the instance holds
+the version before, then the rebuild (``Costs.delta_rebuild_bytes_s``) before the full load, and
+the full version otherwise; ``adapter``, the adapter's bytes (``Costs.adapter_ratio``) and its
+load alone once the instance holds the base (any earlier version, or ``base_preseeded``: it came
+in the image, though the first load still moves the base into HBM), the base and the adapter
+before that. Peers serve every kind at the same rate (the real service serves a delta only
+itself: at a few percent of a version's bytes the difference is small). In an
 asynchronous run (``publish(..., keep_serving=True)``) a ready instance pulls in the background
 and generates on its old version meanwhile; only the load pauses its engine (``on_swap``). When the
 count falls, victims drawn with a seeded generator get a notice: they stop, hand their
@@ -11,6 +20,7 @@ responses back, and stay billed through the grace period.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +36,8 @@ class Pull:
     inst: Instance
     version: int
     left: float  # bytes
+    after_s: float  # from the last byte until the engine serves the version: rebuild and load
+    load_s: float  # the part of after_s that stops a serving engine (the load)
 
 
 @dataclass
@@ -35,6 +47,8 @@ class Fleet:
     on_ready: Callable[[Instance], None]  # an instance holds the current version
     on_notice: Callable[[Instance], None]  # an instance is leaving: take its work back
     seed: int = 0
+    versions: str = "full"  # what a holder of a version pulls for the next (module doc)
+    base_preseeded: bool = False  # adapter versions: a joiner's image holds the base
     on_change: Callable[[], None] | None = None  # the registered spot count may have moved
     # A ready instance's background pull is done: its engine stops for the load (seconds).
     on_swap: Callable[[Instance, float], None] | None = None
@@ -124,10 +138,23 @@ class Fleet:
         self._settle_pulls()
         self._pulls = [p for p in self._pulls if p.inst is not inst]
         if self.costs.weight_bytes <= 0:
-            self._pulled(inst, self.version)
+            self._pulled(inst, self.version, self.costs.load_s, self.costs.load_s)
             return
-        self._pulls.append(Pull(inst, self.version, self.costs.weight_bytes))
+        self._pulls.append(self._pull(inst, self.version))
         self._schedule_pulls()
+
+    def _pull(self, inst: Instance, version: int) -> Pull:
+        """What ``inst`` pulls for ``version``, by version kind (module doc)."""
+        c, holds = self.costs, inst.version >= 0  # a joiner holds no version yet
+        if self.versions == "delta" and holds and inst.version == version - 1:
+            rebuild_s = c.weight_bytes / c.delta_rebuild_bytes_s
+            return Pull(inst, version, c.delta_ratio * c.weight_bytes, rebuild_s + c.load_s,
+                        c.load_s)
+        if self.versions == "adapter" and (holds or self.base_preseeded):
+            load_s = c.load_s if not holds else c.adapter_ratio * c.load_s
+            return Pull(inst, version, c.adapter_ratio * c.weight_bytes, load_s, load_s)
+        size = c.weight_bytes * (1 + c.adapter_ratio if self.versions == "adapter" else 1)
+        return Pull(inst, version, size, c.load_s, c.load_s)
 
     def _rates(self) -> float:
         """Bytes/s each pull in flight gets: the link and the peers' share, split evenly,
@@ -157,15 +184,22 @@ class Fleet:
         done = [p for p in self._pulls if p.left <= 1.0]
         self._pulls = [p for p in self._pulls if p.left > 1.0]
         for p in done:
-            self._pulled(p.inst, p.version)
+            self._pulled(p.inst, p.version, p.after_s, p.load_s)
         self._schedule_pulls()
 
-    def _pulled(self, inst: Instance, version: int) -> None:
+    def _pulled(self, inst: Instance, version: int, after_s: float, load_s: float) -> None:
         # The load is scheduled first: at its end the version is in place before the paused
         # engine's next segment begins (an event at the same instant runs in schedule order).
-        self.clock.after(self.costs.load_s, partial(self._loaded, inst, version))
-        if inst.id in self._background and inst.state == "ready" and self.on_swap is not None:
-            self.on_swap(inst, self.costs.load_s)
+        self.clock.after(after_s, partial(self._loaded, inst, version))
+        if after_s > load_s:  # a rebuild first: the engine serves on until the load
+            self.clock.after(after_s - load_s, partial(self._swap, inst, version, load_s))
+        else:
+            self._swap(inst, version, load_s)
+
+    def _swap(self, inst: Instance, version: int, load_s: float) -> None:
+        if inst.id in self._background and inst.state == "ready" and self.on_swap is not None \
+                and version == self.version:  # not when a newer version's pull replaced it
+            self.on_swap(inst, load_s)
 
     def _loaded(self, inst: Instance, version: int) -> None:
         serving = inst.state == "ready" and inst.id in self._background
@@ -188,3 +222,19 @@ class Fleet:
             hi = end if i.billed_to is None else min(end, i.billed_to)
             total += max(0.0, hi - max(start, i.billed_from))
         return total
+
+
+def alone(costs: Costs, versions: str = "full", base_preseeded: bool = False,
+          skip: int = 0) -> tuple[float, float]:
+    """One spot instance alone with the weight service: seconds from its grant until it holds
+    version 0 (boot, engine start, its first pull and load), and from the publish of version
+    ``1 + skip`` until it holds that one (its pull, any rebuild, its load)."""
+    clock, ready = EventQueue(), []
+    fleet = Fleet(clock, costs, lambda i: ready.append(clock.now), lambda i: None,
+                  versions=versions, base_preseeded=base_preseeded)
+    fleet.set_spot(1)
+    clock.run_until(math.inf, lambda: len(ready) == 1)
+    published = clock.now
+    fleet.publish(1 + skip)
+    clock.run_until(math.inf, lambda: len(ready) == 2)
+    return ready[0], ready[1] - published

@@ -95,6 +95,7 @@ class Simulator:
         self.skew = rebalance_skew if policy.rebalance else 0
         self.clock = EventQueue()
         self.fleet = Fleet(self.clock, costs, self._on_ready, self._on_notice, workload.seed,
+                           versions=policy.versions, base_preseeded=cluster.base_preseeded,
                            on_change=self._spot_changed)
         self.fleet.add_reserved(max(1, cluster.reserved_gpus // costs.serving.gpus))
         self.seeding = SeedingState(window_s=policy.window_s or initial_window_s)
