@@ -186,7 +186,7 @@ def test_two_processes_write_one_adapter_in_the_same_bytes(model_dir: Path,
     # A restarted trainer re-publishes a version byte for byte; PEFT's target modules are a set,
     # written in each process's string-hash order unless the writer sorts them.
     written = []
-    for hash_seed in ("1", "2", "3"):
+    for hash_seed in ("1", "2"):
         out = tmp_path / hash_seed
         out.mkdir()
         subprocess.run([sys.executable, "-c", WRITE_ADAPTER, str(model_dir), str(out)],
@@ -194,6 +194,6 @@ def test_two_processes_write_one_adapter_in_the_same_bytes(model_dir: Path,
                        timeout=300)
         written.append({name: (out / (name + ADAPTER_SUFFIX)).read_bytes()
                         for name in ADAPTER_FILES})
-    assert written[0] == written[1] == written[2]
+    assert written[0] == written[1]
     config = json.loads(written[0]["adapter_config.json"])
     assert config["target_modules"] == sorted(SPEC.target_modules)
