@@ -25,6 +25,13 @@ Contract of :func:`pull_version` (exported by :mod:`shared.weights`):
   (``corrupt``) or cannot be fetched (``error``), a rebuild that does not match (``mismatch``),
   leaves the unverified chunks to the ordinary pull: the version is never worse than a full
   pull's. ``stats`` (a :class:`PullStats`) tells the caller which way it went and why.
+- Adapter: when the manifest has an ``adapter`` entry (an adapter-only version of a LoRA run),
+  the pull first makes sure ``dest_root/<run_id>/<base>/`` holds the base it names, whole, with
+  that content hash and every file's bytes matching its sha256 (hashed once per process): held
+  already (``disk``), or pulled like any version, with peers (``pulled``: none held;
+  ``replaced``: the one held was not it). A base the service cannot deliver with that hash is a
+  non-retryable WeightsError. Then only the adapter's files are pulled (``kind`` ``adapter``);
+  ``stats.base_dir`` names the base, and ``stats.base`` what its pull did.
 - A service outage is ridden out (retries with backoff) until ``timeout_s`` pass without a
   verified chunk. Every failure is a :class:`WeightsError`; ``retryable`` is False where retrying
   cannot help (a bad name, a chunk corrupt at the service, a rejected token).
@@ -33,11 +40,13 @@ Contract of :func:`pull_version` (exported by :mod:`shared.weights`):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import shutil
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +57,14 @@ from shared.process import wait_event
 from shared.tls import Tls
 from shared.weights.delta import apply_delta, check_delta
 from shared.weights.fetch import BLOCK, RangeConn, SourceError, Stopped
-from shared.weights.manifest import Chunk, Manifest, check_ids, check_manifest
+from shared.weights.manifest import (
+    AdapterEntry,
+    Chunk,
+    Manifest,
+    check_ids,
+    check_manifest,
+    content_sha256,
+)
 from shared.weights.partial import Partial, local_manifest
 from shared.weights.peer import PEER_PREFIX, PeerServer
 from shared.weights.plan import Plan
@@ -74,11 +90,68 @@ class CorruptAtSource(WeightsError):
 class PullStats:
     """What one pull did, for its caller's metrics (``stats`` of :func:`pull_version`)."""
 
-    kind: str = ""  # "local" (on disk already), "delta" (rebuilt from the base) or "full"
+    kind: str = ""  # "local" (on disk already), "delta" (rebuilt from the base), "adapter"
+    # (the adapter's files only, over a base held or pulled first) or "full"
     delta_bytes: int = 0  # bytes of a delta blob fetched (0 when none was tried)
     bytes_from_service: int = 0  # chunks of the version's files (what a fallback fetched)
     bytes_from_peers: int = 0
     fallback: str | None = None  # why an offered delta was not used (module doc)
+    base_dir: Path | None = None  # an adapter version's base, whole and verified
+    base_source: str | None = None  # where that base came from: disk, pulled or replaced
+    base: PullStats | None = None  # what pulling the base did, when it was pulled
+
+
+# Base directories whose files were hashed against their manifest by this process, with the
+# content hash they had: a restarted instance re-checks a base once, not at every version.
+_verified_bases: dict[Path, str] = {}
+
+
+def _files_match(final: Path, manifest: Manifest) -> bool:
+    for f in manifest["files"]:
+        try:
+            with (final / f["name"]).open("rb") as src:
+                if hashlib.file_digest(src, "sha256").hexdigest() != f["sha256"]:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
+def _held_base(base_dir: Path, run_id: str, entry: AdapterEntry) -> bool | None:
+    """True: ``base_dir`` holds the base whole and verified; False: it holds another version's
+    bytes (or damaged ones); None: nothing whole."""
+    held = local_manifest(base_dir, run_id, entry["base"])
+    if held is None:
+        return None
+    if content_sha256(held) != entry["base_sha256"]:
+        return False
+    if _verified_bases.get(base_dir) != entry["base_sha256"]:
+        if not _files_match(base_dir, held):
+            return False
+        _verified_bases[base_dir] = entry["base_sha256"]
+    return True
+
+
+async def _ensure_base(manifest: Manifest, dest_root: Path, stats: PullStats,
+                       pull: Callable[[int, PullStats], Awaitable[Path]]) -> None:
+    """Make ``dest_root`` hold the adapter version's base (module doc); ``pull`` pulls one."""
+    run_id, entry = manifest["run_id"], manifest["adapter"]
+    base_dir = dest_root / run_id / str(entry["base"])
+    held = await asyncio.to_thread(_held_base, base_dir, run_id, entry)
+    if held:
+        stats.base_source = "disk"
+    else:
+        stats.base_source = "pulled" if held is None else "replaced"
+        log.info("%s/%d: %s base v%d", run_id, manifest["version"],
+                 "pulling its" if held is None else "the held one is not it; pulling the",
+                 entry["base"])
+        await asyncio.to_thread(shutil.rmtree, base_dir, True)
+        stats.base = PullStats()
+        await pull(entry["base"], stats.base)
+        if not await asyncio.to_thread(_held_base, base_dir, run_id, entry):
+            raise WeightsError(f"{run_id}/{entry['base']} at the service is not the base that "
+                               f"v{manifest['version']} names", retryable=False)
+    stats.base_dir = base_dir
 
 
 class _Service:
@@ -355,7 +428,15 @@ async def pull_version(
     if parallel < 1:
         raise WeightsError(f"parallel must be >= 1, got {parallel}", retryable=False)
     final = dest_root / run_id / str(version)
-    if await asyncio.to_thread(local_manifest, final, run_id, version) is not None:
+
+    async def pull_base(base: int, base_stats: PullStats) -> Path:
+        return await pull_version(base_url, token, run_id, base, dest_root, parallel, timeout_s,
+                                  peers=peers, serve=serve, tls=tls, stats=base_stats)
+
+    held = await asyncio.to_thread(local_manifest, final, run_id, version)
+    if held is not None:
+        if "adapter" in held:
+            await _ensure_base(held, dest_root, stats, pull_base)
         if serve is not None:
             serve.advertise(base_url, run_id, version)
         stats.kind = "local"
@@ -369,13 +450,15 @@ async def pull_version(
         if manifest is None:
             raise WeightsError(f"{run_id}/{version} is not published on {base_url} (yet or now)")
         check_manifest(manifest, run_id, version)
+        if "adapter" in manifest:  # the base first: the adapter is of no use without it
+            await _ensure_base(manifest, dest_root, stats, pull_base)
         partial_dir = dest_root / run_id / f".partial-{version}"
         try:
             partial = await asyncio.to_thread(Partial, partial_dir, manifest)
         except OSError as exc:
             raise WeightsError(f"cannot prepare {partial_dir}: {exc}", retryable=False) from exc
         svc = _Service(base_url, data_url, token, manifest_path, tls)
-        stats.kind = "full"
+        stats.kind = "adapter" if "adapter" in manifest else "full"
         await _try_delta(manifest, partial, dest_root, svc, parallel, timeout_s, stats)
         plan = Plan(partial.chunks, set(partial.done), partial.fds, parallel,
                     random.randrange(max(len(partial.chunks), 1)), peers)
