@@ -28,7 +28,7 @@ A commit whose staged files include ``rlboost-base.json`` publishes an adapter-o
 (:data:`~shared.weights.manifest.ADAPTER_BASE_NAME`): the reference must be well formed and
 bounded, name a published older version of the run whose content hash it states, and the
 version must hold PEFT's two adapter files; otherwise the commit is refused with 422 and the
-reason. Such a version gets no delta (its files are small and every one changes each step).
+reason, and what was staged for the version is dropped. Such a version gets no delta (its files are small and every one changes each step).
 Collection never removes a version that a kept adapter version names as its base.
 """
 
@@ -272,7 +272,11 @@ class Store:
             return existing, False
         names = {f["name"] for f in manifest["files"]}
         if ADAPTER_BASE_NAME in names:
-            manifest["adapter"] = self._adapter_base(run_id, version, staging, names)
+            try:
+                manifest["adapter"] = self._adapter_base(run_id, version, staging, names)
+            except StoreError:  # refused as staged: the uploader starts this version afresh
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
         for p in staging.iterdir():
             if not _model_file(p.name):  # cut-off uploads, a killed commit's delta
                 p.unlink(missing_ok=True)

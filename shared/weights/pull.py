@@ -40,6 +40,7 @@ Contract of :func:`pull_version` (exported by :mod:`shared.weights`):
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import random
@@ -133,8 +134,11 @@ def _held_base(base_dir: Path, run_id: str, entry: AdapterEntry) -> bool | None:
 
 
 async def _ensure_base(manifest: Manifest, dest_root: Path, stats: PullStats,
-                       pull: Callable[[int, PullStats], Awaitable[Path]]) -> None:
-    """Make ``dest_root`` hold the adapter version's base (module doc); ``pull`` pulls one."""
+                       pull: Callable[..., Awaitable[Path]]) -> None:
+    """Make ``dest_root`` hold the base of ``manifest`` when it is an adapter version (module
+    doc); ``pull(version, stats=...)`` pulls one."""
+    if "adapter" not in manifest:
+        return
     run_id, entry = manifest["run_id"], manifest["adapter"]
     base_dir = dest_root / run_id / str(entry["base"])
     held = await asyncio.to_thread(_held_base, base_dir, run_id, entry)
@@ -147,11 +151,23 @@ async def _ensure_base(manifest: Manifest, dest_root: Path, stats: PullStats,
                  entry["base"])
         await asyncio.to_thread(shutil.rmtree, base_dir, True)
         stats.base = PullStats()
-        await pull(entry["base"], stats.base)
+        await pull(entry["base"], stats=stats.base)
         if not await asyncio.to_thread(_held_base, base_dir, run_id, entry):
             raise WeightsError(f"{run_id}/{entry['base']} at the service is not the base that "
                                f"v{manifest['version']} names", retryable=False)
     stats.base_dir = base_dir
+
+
+async def _held(final: Path, dest_root: Path, run_id: str, version: int, stats: PullStats,
+                pull: Callable[..., Awaitable[Path]]) -> bool:
+    """True when ``final`` holds the version whole already (and, for an adapter version, its
+    base is in place too): nothing to pull."""
+    held = await asyncio.to_thread(local_manifest, final, run_id, version)
+    if held is None:
+        return False
+    await _ensure_base(held, dest_root, stats, pull)
+    stats.kind = "local"
+    return True
 
 
 class _Service:
@@ -428,18 +444,12 @@ async def pull_version(
     if parallel < 1:
         raise WeightsError(f"parallel must be >= 1, got {parallel}", retryable=False)
     final = dest_root / run_id / str(version)
-
-    async def pull_base(base: int, base_stats: PullStats) -> Path:
-        return await pull_version(base_url, token, run_id, base, dest_root, parallel, timeout_s,
-                                  peers=peers, serve=serve, tls=tls, stats=base_stats)
-
-    held = await asyncio.to_thread(local_manifest, final, run_id, version)
-    if held is not None:
-        if "adapter" in held:
-            await _ensure_base(held, dest_root, stats, pull_base)
+    pull_base = functools.partial(pull_version, base_url, token, run_id, dest_root=dest_root,
+                                  parallel=parallel, timeout_s=timeout_s, peers=peers,
+                                  serve=serve, tls=tls)
+    if await _held(final, dest_root, run_id, version, stats, pull_base):
         if serve is not None:
             serve.advertise(base_url, run_id, version)
-        stats.kind = "local"
         return final
     if final.exists():  # damaged by hand or by something outside this module: pull it afresh
         await asyncio.to_thread(shutil.rmtree, final, True)
@@ -450,8 +460,7 @@ async def pull_version(
         if manifest is None:
             raise WeightsError(f"{run_id}/{version} is not published on {base_url} (yet or now)")
         check_manifest(manifest, run_id, version)
-        if "adapter" in manifest:  # the base first: the adapter is of no use without it
-            await _ensure_base(manifest, dest_root, stats, pull_base)
+        await _ensure_base(manifest, dest_root, stats, pull_base)  # first: the adapter needs it
         partial_dir = dest_root / run_id / f".partial-{version}"
         try:
             partial = await asyncio.to_thread(Partial, partial_dir, manifest)
