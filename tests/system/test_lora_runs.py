@@ -4,7 +4,7 @@ real brokers, a KL term against the frozen base; then ``rlboost export`` of its 
 Invariants 1-3 hold as for any run (every sample's reward recomputed here from its text). The
 final version is the merged model: every weight outside the adapted projections is the base's
 bit for bit, the adapted ones moved; its export is the adapter, which on the base gives the
-merged model's logits. The same run again with its trainer and then its spot instance SIGKILLed
+merged model's logits. The same run again with its trainer and its spot instance SIGKILLed
 mid-step (the LoRA run of the fault campaign) equals the first sample for sample. Every
 version after the base (version 0, full) is adapter-only, at most 5 % of the base's bytes, and
 the spot instance restarted mid-run pulls no full model: it holds the base already. A
@@ -15,7 +15,10 @@ on. (Whether LoRA runs learn is ``make bench-lora``: docs/algorithms.md.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,8 +59,9 @@ def manifest(weights_url: str, run_id: str, version: int) -> dict[str, Any]:
     return reply
 
 
-def spot_metrics(client: httpx.Client) -> Counter[str]:
-    """The spot instance's weight pulls by kind and its adapter versions' bases by source."""
+def spot_metrics(client: httpx.Client) -> tuple[int, Counter[str]]:
+    """The spot instance's metrics port, its weight pulls by kind and its adapter versions'
+    bases by source."""
     inst = next(i for i in client.get("/v1/instances").json() if i["kind"] == "spot")
     text = httpx.get(f"http://127.0.0.1:{inst['metrics_port']}/metrics", timeout=5).text
     found: Counter[str] = Counter()
@@ -65,7 +69,22 @@ def spot_metrics(client: httpx.Client) -> Counter[str]:
             r'^rlboost_rollout_(?:weight_)?(pulls|adapter_bases)_total(\{\w+="\w+"\}) (\S+)',
             text, re.M):
         found[what.replace("adapter_", "") + label] += int(float(value))
-    return found
+    return int(inst["metrics_port"]), found
+
+
+def wait_restarted(client: httpx.Client, old_port: int, timeout_s: float = 300
+                   ) -> Counter[str]:
+    """The restarted spot instance's counters once it has loaded a version (it registers
+    with a new metrics port; the old one's entry may outlive it for a while)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with contextlib.suppress(StopIteration, httpx.HTTPError):
+            port, found = spot_metrics(client)
+            if port != old_port and any(k.startswith("pulls") and n > 0
+                                        for k, n in found.items()):
+                return found
+        time.sleep(0.5)
+    raise AssertionError("the restarted spot instance never loaded a version")
 
 
 @pytest.fixture
@@ -110,15 +129,20 @@ def test_lora_run_trains_adapters_and_exports_them(cluster: Cluster, tmp_path: P
         # the merged versions the instances pull are the same bytes.
         faulted_id = client.post("/v1/runs", json=SPEC).json()["id"]
         wait_step(client, faulted_id, 1)
-        kill_and_restart(child(cluster, "trainer"))
-        wait_step(client, faulted_id, 2)
-        before = spot_metrics(client)
+        trainer = child(cluster, "trainer")
+        trainer.signal(signal.SIGKILL)
+        assert trainer.proc is not None
+        trainer.proc.wait(timeout=10)
+        # The spot instance too, mid-step; the trainer stays down until it is back, so the run
+        # cannot end before the restarted instance has loaded a version of it.
+        port, before = spot_metrics(client)
         kill_and_restart(child(cluster, "spot-0"))
+        after = wait_restarted(client, port)
+        trainer.start()
         final = wait_run(client, faulted_id, timeout_s=600, cluster=cluster)
         assert final["state"] == "succeeded", final
         # Before the kill the spot instance had pulled adapter versions over a base it held;
-        # restarted, it found the base on disk (verified by hash) and pulled no full model.
-        after = spot_metrics(client)
+        # restarted, it found the base on disk (verified by hash) and pulled adapters only.
         assert before['pulls{kind="adapter"}'] >= 1 and before['bases{source="disk"}'] >= 1, \
             before
         assert after['pulls{kind="full"}'] == 0 and after['bases{source="disk"}'] >= 1, after
