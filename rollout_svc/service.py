@@ -92,7 +92,8 @@ class RolloutMetrics:
         self.adapter_bases = Counter(
             "rlboost_rollout_adapter_bases_total",
             "Adapter versions loaded, by where their base came from: disk (held and verified),"
-            " pulled (none held) or replaced (the one held was not it)", ["source"],
+            " seeded (RLBOOST_SEEDED_BASES_DIR), pulled (none held) or replaced (the one held"
+            " was not it)", ["source"],
             registry=self.registry)
 
     def count_pull(self, stats: PullStats) -> None:
@@ -325,7 +326,7 @@ class RolloutService:
                 path = await pull_version(common.weights_url, reveal(common.weights_read_token),
                                           run_id, version, self.weights_dir, timeout_s=30.0,
                                           peers=True, serve=self.peer, tls=common.tls,
-                                          stats=stats)
+                                          stats=stats, seeded=self.cfg.seeded_bases)
             finally:  # a pull that failed after its delta fell short counts that too
                 if stats.fallback is not None:
                     self.metrics.delta_fallbacks.labels(stats.fallback).inc()

@@ -28,8 +28,9 @@ A commit whose staged files include ``rlboost-base.json`` publishes an adapter-o
 (:data:`~shared.weights.manifest.ADAPTER_BASE_NAME`): the reference must be well formed and
 bounded, name a published older version of the run whose content hash it states, and the
 version must hold PEFT's two adapter files; otherwise the commit is refused with 422 and the
-reason, and what was staged for the version is dropped. Such a version gets no delta (its files are small and every one changes each step).
-Collection never removes a version that a kept adapter version names as its base.
+reason, and what was staged for the version is dropped. Such a version gets no delta (its
+files are small and every one changes each step). Collection never removes a version that a
+kept adapter version names as its base.
 """
 
 from __future__ import annotations

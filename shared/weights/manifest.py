@@ -158,9 +158,16 @@ def content_sha256(manifest: Manifest) -> str:
 
     Not the manifest file's own hash: run id, version number, chunk size and a delta entry
     say where and how a version is served, not what it is, and a base pre-seeded in an image
-    or published by another run must be recognised by its bytes alone."""
-    files = [[f["name"], f["size"], f["sha256"]] for f in manifest["files"]]
-    return hashlib.sha256(json.dumps(files, separators=(",", ":")).encode()).hexdigest()
+    or published by another run must be recognised by its bytes alone. A LoRA version's
+    hidden adapter files (:data:`ADAPTER_SUFFIX`) are left out: they are the run's initial
+    adapter (random, per seed), not part of the base any adapter applies to."""
+    return files_sha256([(f["name"], f["size"], f["sha256"]) for f in manifest["files"]])
+
+
+def files_sha256(files: list[tuple[str, int, str]]) -> str:
+    """:func:`content_sha256` of files given as (name, size, sha256), in name order."""
+    kept = [[n, size, digest] for n, size, digest in files if not n.endswith(ADAPTER_SUFFIX)]
+    return hashlib.sha256(json.dumps(kept, separators=(",", ":")).encode()).hexdigest()
 
 
 def check_file(f: FileEntry) -> None:

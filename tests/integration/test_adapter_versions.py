@@ -1,12 +1,13 @@
 """Adapter-only versions against a real `python -m weight_svc`: what a commit accepts (and the
 422 it answers otherwise), collection sparing the base, and pullers that pull the base once
 and then adapters only, including after a restart with the base on disk and with a base on
-disk that is not the one named."""
+disk that is not the one named, and a base pre-seeded in the instance's image."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,3 +157,35 @@ async def test_a_base_on_disk_that_is_not_it_is_pulled_again(
     await pull_version(service.url, TOKEN, run, 2, dest, stats=stats)
     assert (stats.kind, stats.base_source) == ("local", "pulled")
     assert_same_files(tmp_path / "v0", dest / run / "0")
+
+
+async def test_a_pre_seeded_base_is_used_when_its_files_match(
+        service: ServiceProcess, tmp_path: Path) -> None:
+    """RLBOOST_SEEDED_BASES_DIR: a base baked into the image (its model files, without the
+    run's initial adapter) is used in place of a pull, once its files hash to the reference."""
+    run, dest, seeded = "seed", tmp_path / "inst", tmp_path / "image"
+    source = lora_version(tmp_path / "v0", 0)
+    await upload_version(service.url, TOKEN, run, 0, source)
+    m1 = await upload_adapter_version(service.url, TOKEN, run, 1,
+                                      lora_version(tmp_path / "v1", 1), base=0)
+    image = seeded / m1["adapter"]["base_sha256"]
+    image.mkdir(parents=True)
+    for path in source.iterdir():
+        if not path.name.endswith(ADAPTER_SUFFIX):
+            (image / path.name).write_bytes(path.read_bytes())
+    stats = PullStats()
+    await pull_version(service.url, TOKEN, run, 1, dest, stats=stats, seeded=seeded)
+    assert (stats.kind, stats.base_source, stats.base_dir, stats.base) == (
+        "adapter", "seeded", image, None)
+    assert not (dest / run / "0").exists()
+    assert stats.bytes_from_service == sum(f["size"] for f in m1["files"])
+
+    # An image whose files are not the base's (one byte changed) is not used: pulled instead.
+    other = tmp_path / "other"
+    weights = (image / "model.safetensors").read_bytes()
+    shutil.copytree(image, other / image.name)
+    (other / image.name / "model.safetensors").write_bytes(bytes([weights[0] ^ 1]) + weights[1:])
+    stats = PullStats()
+    await pull_version(service.url, TOKEN, run, 1, tmp_path / "inst2", stats=stats,
+                       seeded=other)
+    assert stats.base_source == "pulled" and stats.base_dir == tmp_path / "inst2" / run / "0"

@@ -55,11 +55,15 @@ def test_adapter_entry_checks() -> None:
 
 
 def test_content_hash_is_the_files_alone() -> None:
-    """A base is its bytes: run, version, chunking and a delta entry do not change its hash;
-    any file's name, size or sha256 does."""
+    """A base is its bytes: run, version, chunking, a delta entry and the run's initial
+    adapter files do not change its hash; any other file's name, size or sha256 does."""
     one = _manifest()
     other = _manifest(run_id="s", version=9, chunk_bytes=1 << 20)
     assert content_sha256(one) == content_sha256(other)
+    hidden = _manifest()  # a LoRA version's initial adapter, hidden: not part of the base
+    hidden["files"].append({"name": "adapter_model.safetensors" + ADAPTER_SUFFIX, "size": 1,
+                            "sha256": "2" * 64, "chunks": []})
+    assert content_sha256(hidden) == content_sha256(one)
     for key, value in (("name", "config.json"), ("size", 3), ("sha256", "1" * 64)):
         changed = _manifest()
         changed["files"][0][key] = value  # type: ignore[literal-required]
