@@ -15,6 +15,10 @@ Its export is the adapter as PEFT writes it (``adapter_model.safetensors``,
 ``adapter_config.json``) with the base's tokenizer and generation files, loadable with
 ``peft.PeftModel.from_pretrained(<the run's base model>, DIR)``; with ``merged`` it is the merged
 model instead, as for a full fine-tuning run (whose export ``merged`` does not change).
+A LoRA run's versions after its base are adapter-only (docs/weights.md "LoRA versions"): the
+pull brings the base too; the adapter's export takes the base's tokenizer and generation
+files, the merged one is the base with the adapter merged as the trainer merges it
+(:mod:`shared.weights.adapter`, bit for bit).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from pathlib import Path
 
 from shared.errors import WeightsError
 from shared.tls import Tls
-from shared.weights import MANIFEST_NAME, list_versions, pull_version
-from shared.weights.manifest import ADAPTER_FILES, ADAPTER_SUFFIX
+from shared.weights import MANIFEST_NAME, PullStats, list_versions, pull_version
+from shared.weights.manifest import ADAPTER_BASE_NAME, ADAPTER_FILES, ADAPTER_SUFFIX
 
 # What makes a directory loadable; the rest (tokenizer files) travels when the base has it.
 REQUIRED = ("config.json",)
@@ -60,6 +64,27 @@ def _choose(run_id: str, versions: list[int], asked: int | None) -> int:
     return asked
 
 
+def _over_base(pulled: Path, base_dir: Path, merged: bool) -> None:
+    """Make an adapter-only version's directory an export: the base's other files beside the
+    adapter, or (``merged``) the merged model in the adapter's place."""
+    from safetensors.torch import save_file
+
+    from shared.weights.adapter import merge_adapter, read_base
+
+    (pulled / ADAPTER_BASE_NAME).unlink(missing_ok=True)
+    if merged:
+        state = merge_adapter(read_base(base_dir), pulled)
+        for name in ADAPTER_FILES:
+            (pulled / name).unlink()
+        save_file(state, pulled / "model.safetensors", metadata={"format": "pt"})
+    for path in base_dir.iterdir():
+        skip = path.name == MANIFEST_NAME or path.name.endswith(ADAPTER_SUFFIX) or \
+            path.name.endswith((".safetensors", ".safetensors.index.json")) or \
+            (path.name == "config.json" and not merged)
+        if not skip and path.is_file():
+            shutil.copyfile(path, pulled / path.name)
+
+
 def _adapter_only(pulled: Path) -> None:
     """Keep a LoRA version's adapter under PEFT's names, and drop the merged model."""
     for path in list(pulled.iterdir()):
@@ -84,11 +109,15 @@ async def export(weights_url: str, token: str | None, run_id: str, dest: Path,
         # Beside dest, so the final move is one rename on one file system.
         scratch = Path(tempfile.mkdtemp(prefix=f".{dest.name}.export-", dir=dest.parent))
         try:
+            stats = PullStats()
             pulled = await pull_version(weights_url, token, run_id, chosen, scratch,
-                                        timeout_s=timeout_s, tls=tls)
+                                        timeout_s=timeout_s, tls=tls, stats=stats)
             (pulled / MANIFEST_NAME).unlink(missing_ok=True)
             adapter = (pulled / (ADAPTER_FILES[0] + ADAPTER_SUFFIX)).is_file()
-            if adapter and not merged:
+            if stats.base_dir is not None:
+                await asyncio.to_thread(_over_base, pulled, stats.base_dir, merged)
+                adapter = True
+            elif adapter and not merged:
                 _adapter_only(pulled)
             else:
                 for name in ADAPTER_FILES:

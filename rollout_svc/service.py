@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from nats.aio.client import Client as Nats
@@ -79,7 +80,7 @@ class RolloutMetrics:
                                       "Pull + load time of a weight version",
                                       registry=self.registry)
         self.pulls = Counter("rlboost_rollout_weight_pulls_total",
-                             "Weight versions pulled, by kind: full, delta or local",
+                             "Weight versions pulled, by kind: full, delta, adapter or local",
                              ["kind"], registry=self.registry)
         self.pulled_bytes = Counter("rlboost_rollout_weight_pulled_bytes_total",
                                     "Bytes a pull fetched, by what: delta, service or peers",
@@ -88,8 +89,18 @@ class RolloutMetrics:
             "rlboost_rollout_delta_fallbacks_total",
             "Offered deltas not used (a full pull instead), by reason: no_base, corrupt, "
             "error, mismatch", ["reason"], registry=self.registry)
+        self.adapter_bases = Counter(
+            "rlboost_rollout_adapter_bases_total",
+            "Adapter versions loaded, by where their base came from: disk (held and verified),"
+            " seeded (RLBOOST_SEEDED_BASES_DIR), pulled (none held) or replaced (the one held"
+            " was not it)", ["source"],
+            registry=self.registry)
 
     def count_pull(self, stats: PullStats) -> None:
+        if stats.base is not None:  # an adapter version's base, pulled first
+            self.count_pull(stats.base)
+        if stats.base_source is not None:
+            self.adapter_bases.labels(stats.base_source).inc()
         self.pulls.labels(stats.kind).inc()
         for what, n in (("delta", stats.delta_bytes), ("service", stats.bytes_from_service),
                         ("peers", stats.bytes_from_peers)):
@@ -141,6 +152,7 @@ class RolloutService:
         self._stop = asyncio.Event()
         self._reason: str = "shutdown"
         self.weights_dir = cfg.common.data_dir / "rollout" / cfg.instance_id
+        self._base_dir: Path | None = None  # the loaded adapter version's base, when it is one
         self.metrics = RolloutMetrics()
         self.metrics_port = 0
         self.session = secrets.token_hex(8)
@@ -314,13 +326,18 @@ class RolloutService:
                 path = await pull_version(common.weights_url, reveal(common.weights_read_token),
                                           run_id, version, self.weights_dir, timeout_s=30.0,
                                           peers=True, serve=self.peer, tls=common.tls,
-                                          stats=stats)
+                                          stats=stats, seeded=self.cfg.seeded_bases)
             finally:  # a pull that failed after its delta fell short counts that too
                 if stats.fallback is not None:
                     self.metrics.delta_fallbacks.labels(stats.fallback).inc()
             self.metrics.count_pull(stats)
             with self.metrics.load_seconds.time():
-                await asyncio.to_thread(self.engine.load, path, run_id, version)
+                if stats.base_dir is not None:
+                    await asyncio.to_thread(self.engine.load_adapter, stats.base_dir, path,
+                                            run_id, version)
+                else:
+                    await asyncio.to_thread(self.engine.load, path, run_id, version)
+            self._base_dir = stats.base_dir
         except Exception as exc:  # the next heartbeat retries; the instance stays usable
             # Not yet published is the normal state of a version the trainer is still writing.
             level = logging.INFO if getattr(exc, "retryable", False) else logging.WARNING
@@ -338,6 +355,8 @@ class RolloutService:
         if not root.is_dir():
             return
         for child in root.iterdir():
+            if child == self._base_dir:
+                continue  # the base of the adapter versions this instance loads
             if child.name.isdigit() and int(child.name) < version:
                 shutil.rmtree(child, ignore_errors=True)
 

@@ -289,6 +289,11 @@ class RolloutConfig(Settings):
         "RLBOOST_METADATA_URL", None, "that metadata server; unset = the cloud's own address")
     notice_poll_s: float = setting(
         "RLBOOST_NOTICE_POLL_S", 5.0, "how often to poll it", ge=0.05)
+    seeded_bases: Path | None = setting(
+        "RLBOOST_SEEDED_BASES_DIR", None, "LoRA bases in the instance's image: "
+        "<dir>/<base_sha256>/ holds a base version's files, and an adapter version naming "
+        "that content hash uses them (hashed once per process) instead of pulling its base; "
+        "unset = every base is pulled")
     sglang_url: HttpUrl | None = setting(
         "RLBOOST_SGLANG_URL", None, "sglang: attach to this server; unset = start one")
     sglang_args: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_shell_words)] = setting(

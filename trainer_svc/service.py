@@ -49,7 +49,7 @@ from shared.protocol import (
 from shared.settings import reveal
 from shared.spec import RunSpec
 from shared.turns import TurnsError, loss_mask
-from shared.weights import upload_version
+from shared.weights import upload_adapter_version, upload_version
 from trainer_svc.agentic import Tools, open_tools
 from trainer_svc.dynamic_sampling import Close, Extend, GroupFilter
 from trainer_svc.errors import GroupLost, RunAborted
@@ -61,6 +61,7 @@ from trainer_svc.step_feed import StepEvents, StepFeed
 from trainer_svc.trackers import Trackers
 from trainer_svc.workload import EvalResult, StepPrompt, Workload, open_workload
 
+LORA_BASE_VERSION = 0  # a LoRA run's full version: the base its adapter versions name
 log = logging.getLogger("trainer")
 
 
@@ -436,14 +437,21 @@ class TrainerService:
         run.version = report.new_version
 
     async def _publish(self, run: ActiveTraining, version: int) -> None:
+        url, token = self.cfg.common.weights_url, reveal(self.cfg.common.weights_token)
+        hf_dir = run.policy.checkpoints.hf_dir(version)
+        if run.spec.lora is not None and version > LORA_BASE_VERSION:
+            # The base went out whole as version 0; every later version is its adapter alone
+            # (docs/weights.md "LoRA versions"), a few percent of the model's bytes. Every
+            # trainer writes the adapter's files here, the sharded one from rank 0 (this
+            # process), so no other rank takes part.
+            await upload_adapter_version(url, token, run.run_id, version, hf_dir,
+                                         LORA_BASE_VERSION, tls=self.cfg.common.tls)
+            return
         if isinstance(run.policy, PublishesItself):  # sharded: every rank sends its own files
-            access = WeightsAccess(str(self.cfg.common.weights_url),
-                                   reveal(self.cfg.common.weights_token), self.cfg.common.tls)
+            access = WeightsAccess(str(url), token, self.cfg.common.tls)
             await run.policy.publish(access, run.run_id, version)
             return
-        await upload_version(self.cfg.common.weights_url, reveal(self.cfg.common.weights_token),
-                             run.run_id, version, run.policy.checkpoints.hf_dir(version),
-                             tls=self.cfg.common.tls)
+        await upload_version(url, token, run.run_id, version, hf_dir, tls=self.cfg.common.tls)
 
     async def _keep(self, run: ActiveTraining, version: int) -> list[int]:
         """Pin the versions the spec keeps for the user (trainer_svc.saved)."""

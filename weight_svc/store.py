@@ -23,6 +23,14 @@ the version before its rename: the version appears with its delta or without one
 before it. The delta is kept only when it is at most ``DELTA_MAX_FRACTION`` of the version's
 bytes; a failed build costs the delta, never the commit. ``on_delta`` hears each outcome
 (``kept``, ``too_large``, ``failed``) for the service's counter.
+
+A commit whose staged files include ``rlboost-base.json`` publishes an adapter-only version
+(:data:`~shared.weights.manifest.ADAPTER_BASE_NAME`): the reference must be well formed and
+bounded, name a published older version of the run whose content hash it states, and the
+version must hold PEFT's two adapter files; otherwise the commit is refused with 422 and the
+reason, and what was staged for the version is dropped. Such a version gets no delta (its
+files are small and every one changes each step). Collection never removes a version that a
+kept adapter version names as its base.
 """
 
 from __future__ import annotations
@@ -41,12 +49,18 @@ from shared.config import WeightsConfig
 from shared.errors import WeightsError
 from shared.weights.delta import DELTA_MAX_FRACTION, build_delta
 from shared.weights.manifest import (
+    ADAPTER_BASE_NAME,
+    ADAPTER_FILES,
     MANIFEST_NAME,
+    MAX_ADAPTER_BASE_BYTES,
     MAX_VERSION,
+    AdapterEntry,
     ChunkEntry,
     DeltaEntry,
     FileEntry,
     Manifest,
+    check_adapter,
+    content_sha256,
     delta_name,
     is_delta_name,
     valid_name,
@@ -257,10 +271,19 @@ class Store:
                 raise StoreError(409, f"{run_id}/{version} is published with different content")
             shutil.rmtree(staging, ignore_errors=True)
             return existing, False
+        names = {f["name"] for f in manifest["files"]}
+        if ADAPTER_BASE_NAME in names:
+            try:
+                manifest["adapter"] = self._adapter_base(run_id, version, staging, names)
+            except StoreError:  # refused as staged: the uploader starts this version afresh
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
         for p in staging.iterdir():
             if not _model_file(p.name):  # cut-off uploads, a killed commit's delta
                 p.unlink(missing_ok=True)
-        if (delta := self._delta(run_id, version, staging, manifest)) is not None:
+        if "adapter" in manifest:
+            pass  # small files that all change every step: a delta cannot pay off
+        elif (delta := self._delta(run_id, version, staging, manifest)) is not None:
             manifest["delta"] = delta
         tmp = staging / f".{MANIFEST_NAME}"
         with tmp.open("w") as f:
@@ -272,6 +295,32 @@ class Store:
         os.rename(staging, final)  # the atomic publish
         _fsync_dir(final.parent)
         return manifest, True
+
+    def _adapter_base(self, run_id: str, version: int, staging: Path, names: set[str]
+                      ) -> AdapterEntry:
+        """The staged adapter version's checked reference to its base (module doc)."""
+        ref = staging / ADAPTER_BASE_NAME
+        if ref.stat().st_size > MAX_ADAPTER_BASE_BYTES:
+            raise StoreError(422, f"{ADAPTER_BASE_NAME}: larger than {MAX_ADAPTER_BASE_BYTES} B")
+        try:
+            entry = check_adapter(json.loads(ref.read_bytes()), version)
+        except (ValueError, WeightsError) as exc:
+            raise StoreError(422, f"{ADAPTER_BASE_NAME}: {exc}") from None
+        missing = [n for n in ADAPTER_FILES if n not in names]
+        if missing:
+            raise StoreError(422, f"adapter version {run_id}/{version} lacks {missing}")
+        try:
+            base = self.manifest(run_id, entry["base"])
+        except StoreError:
+            raise StoreError(422, f"{ADAPTER_BASE_NAME}: base {run_id}/{entry['base']} is not "
+                                  "published") from None
+        if "adapter" in base:
+            raise StoreError(422, f"{ADAPTER_BASE_NAME}: base {run_id}/{entry['base']} is an "
+                                  "adapter itself, not a full version")
+        if content_sha256(base) != entry["base_sha256"]:
+            raise StoreError(422, f"{ADAPTER_BASE_NAME}: base_sha256 is not the content hash "
+                                  f"of {run_id}/{entry['base']}")
+        return entry
 
     def _delta(self, run_id: str, version: int, staging: Path, manifest: Manifest
                ) -> DeltaEntry | None:
@@ -318,6 +367,7 @@ class Store:
         keep = set(versions[-max(keep_last, MIN_KEEP) :]) | set(self.pins(run_id))
         if protect is not None:
             keep.add(protect)
+        keep |= self._bases(run_id, keep)
         gone = [v for v in versions if v not in keep]
         for v in gone:
             trash = self._run(run_id) / f".trash-{v}-{uuid.uuid4().hex[:8]}"
@@ -325,6 +375,18 @@ class Store:
             shutil.rmtree(trash, ignore_errors=True)
         self.collect_staging(run_id)
         return gone
+
+    def _bases(self, run_id: str, versions: set[int]) -> set[int]:
+        """The bases that adapter versions among ``versions`` need: never collected first."""
+        bases = set()
+        for v in versions:
+            try:
+                entry = self.manifest(run_id, v).get("adapter")
+            except (StoreError, ValueError):
+                continue
+            if entry is not None:
+                bases.add(entry["base"])
+        return bases
 
     def collect_staging(self, run_id: str) -> list[int]:
         """Remove staged files that can never be published: those of a version not newer

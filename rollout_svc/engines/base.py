@@ -102,6 +102,11 @@ class Engine(Protocol):
 
     def load(self, model_dir: Path | None, run_id: str, version: int) -> None: ...
 
+    # An adapter-only version (docs/weights.md "LoRA versions"): PEFT's adapter in
+    # ``adapter_dir`` over the full model in ``base_dir``; refused like ``load`` under work.
+    def load_adapter(self, base_dir: Path, adapter_dir: Path, run_id: str, version: int
+                     ) -> None: ...
+
     @property
     def loaded(self) -> tuple[str, int] | None: ...
 

@@ -274,6 +274,11 @@ class EmuEngine:
             self._sleep(self.load_s)
             self._loaded = (run_id, version)
 
+    def load_adapter(self, base_dir: Path, adapter_dir: Path, run_id: str, version: int
+                     ) -> None:
+        # A run spec refuses lora for an emulated model: no version of one is an adapter.
+        raise EngineError("the emu engine has no weights to apply an adapter to")
+
     def add(self, req: GenRequest) -> None:
         check_request(req, self._loaded)
         self._inbox.put(req)

@@ -18,6 +18,16 @@ one it starts itself (``python -m sglang.launch_server`` on a free loopback port
 * **Weights.** ``load`` refuses under queued or active work (like every engine), then
   ``/pause_generation`` -> ``/update_weights_from_disk`` (``model_path``, ``weight_version``) ->
   ``/continue_generation``, and checks ``/get_weight_version`` where the server has it.
+* **Adapters.** ``load_adapter`` (an adapter-only version of a LoRA run) puts the base in place
+  as ``load`` does, only when it is not the base already loaded, then ``POST
+  /load_lora_adapter`` (``lora_name`` ``<run>-v<version>``, ``lora_path`` the pulled adapter
+  directory) and ``POST /unload_lora_adapter`` of the adapter before it; every ``/generate``
+  names the loaded adapter in ``lora_path``. A server this engine starts for an adapter
+  version gets ``--enable-lora`` with the adapter's rank and target modules; an attached
+  server must have been started with LoRA enabled (SGLang's ``--enable-lora``,
+  ``--max-lora-rank``, ``--lora-target-modules``). SGLang runs the adapter beside the base
+  weights (its LoRA kernels), so its logits are the merged model's up to rounding, not bit for
+  bit as the torch engine's are.
 * **Errors.** A failed load raises :class:`EngineError` from ``load``; a stream that fails
   (server gone, a 4xx, an error frame) after a few resumed retries raises it from ``step()``,
   which takes the instance down so its leases go back to the manager.
@@ -47,7 +57,10 @@ invariant 5's token-for-token oracle is an ``emu``/``torch`` property.
 SGLang API as read in sgl-project/sglang: ``python/sglang/srt/entrypoints/http_server.py``
 (endpoints, SSE framing ``data: {json}`` ... ``data: [DONE]``, ``success``/``message`` replies),
 ``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``, ``AbortReq``,
-``UpdateWeightFromDiskReqInput.weight_version``), the tokenizer manager's output processing
+``UpdateWeightFromDiskReqInput.weight_version``, ``LoadLoRAAdapterReqInput``:
+``lora_name``, ``lora_path``; ``UnLoadLoRAAdapterReqInput``: ``lora_name``; replies
+``success``, ``error_message``), ``docs/advanced_features/lora.ipynb`` (dynamic loading, the
+``--enable-lora`` flags), the tokenizer manager's output processing
 (``output_ids`` are cumulative per frame unless ``--incremental-streaming-output``;
 ``meta_info.completion_tokens`` counts them either way) and ``docs/basic_usage/sampling_params.md``.
 """
@@ -124,6 +137,8 @@ class SGLangEngine:
         self._healthy = False
         self._loaded: tuple[str, int] | None = None
         self._stops: frozenset[int] = frozenset()  # the loaded model's EOS ids
+        self._model_dir: Path | None = None  # the weights the server holds (a base, or whole)
+        self._lora: str | None = None  # the adapter every /generate names, when one is loaded
         # Shared between the caller's threads and the stream loop; _ready wakes step().
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -160,11 +175,48 @@ class SGLangEngine:
         self._wait_healthy()
         try:
             with httpx.Client(base_url=self._base(), timeout=self._timeout) as client:
+                self._lora_swap(client, None)
                 self._swap(client, Path(model_dir), version)
         except httpx.HTTPError as exc:
             raise EngineError(f"sglang at {self.url}: {type(exc).__name__}: {exc}") from None
         self._stops = generation_eos_ids(Path(model_dir))
         self._loaded = (run_id, version)
+
+    def load_adapter(self, base_dir: Path, adapter_dir: Path, run_id: str, version: int
+                     ) -> None:
+        with self._lock:
+            if self._live or self._events:
+                raise EngineError("cannot swap weights under queued or active requests")
+        self._loaded = None
+        if self.url is None:
+            self._launch(base_dir, _lora_args(adapter_dir))
+        self._wait_healthy()
+        try:
+            with httpx.Client(base_url=self._base(), timeout=self._timeout) as client:
+                if self._model_dir != base_dir:
+                    self._lora_swap(client, None)
+                    self._swap(client, base_dir, version)
+                self._lora_swap(client, (f"{run_id}-v{version}", adapter_dir))
+        except httpx.HTTPError as exc:
+            raise EngineError(f"sglang at {self.url}: {type(exc).__name__}: {exc}") from None
+        self._stops = generation_eos_ids(base_dir)
+        self._loaded = (run_id, version)
+
+    def _lora_swap(self, client: httpx.Client, new: tuple[str, Path] | None) -> None:
+        """Load adapter ``new`` (name, directory), then unload the one before, if any."""
+        old, self._lora = self._lora, None
+        if new is not None:
+            resp = client.post("/load_lora_adapter",
+                               json={"lora_name": new[0], "lora_path": str(new[1])})
+            body = _json(resp)
+            if resp.status_code != 200 or not body.get("success", False):
+                raise EngineError(f"load_lora_adapter({new[1]}) failed: "
+                                  f"{body.get('error_message') or resp.text[:200]}")
+        if old is not None and (new is None or old != new[0]):
+            resp = client.post("/unload_lora_adapter", json={"lora_name": old})
+            if resp.status_code != 200:  # it only holds memory: the new one is in use
+                log.warning("unload_lora_adapter(%s): HTTP %d", old, resp.status_code)
+        self._lora = new[0] if new is not None else None
 
     def _swap(self, client: httpx.Client, model_dir: Path, version: int) -> None:
         # Nothing of ours runs (checked above), so "abort" only clears strays; a server older
@@ -180,15 +232,16 @@ class SGLangEngine:
         finally:
             if paused:
                 client.post("/continue_generation", json={})
+        self._model_dir = model_dir
         resp = client.get("/get_weight_version")
         if resp.status_code == 200 and _json(resp).get("weight_version") != str(version):
             raise EngineError(f"sglang reports weight version {_json(resp).get('weight_version')!r}"
                               f" after loading {version}")
 
-    def _launch(self, model_dir: Path) -> None:
+    def _launch(self, model_dir: Path, extra: Sequence[str] = ()) -> None:
         port = free_port()
         argv = [*self._launch_cmd, "--model-path", str(model_dir), "--host", "127.0.0.1",
-                "--port", str(port), "--skip-tokenizer-init", *self._launch_args]
+                "--port", str(port), "--skip-tokenizer-init", *extra, *self._launch_args]
         log.info("starting the SGLang server: %s", " ".join(argv))
         # Its output goes to ours (the instance's log); its own session, so close() can take
         # down the whole process tree SGLang spawns (scheduler, detokenizer).
@@ -388,6 +441,7 @@ class SGLangEngine:
             "input_ids": tokens,
             "stream": True,
             "return_logprob": True,  # output tokens only: logprob_start_len stays -1
+            **({"lora_path": self._lora} if self._lora is not None else {}),
             "sampling_params": {
                 "max_new_tokens": req.max_new_tokens - position,
                 "temperature": req.temperature,
@@ -433,6 +487,18 @@ class SGLangEngine:
                 and last_reason.get("matched") in stops:
             matched = int(last_reason["matched"])
             yield matched, output_logprob(logprobs, seen, matched)
+
+
+def _lora_args(adapter_dir: Path) -> list[str]:
+    """SGLang's flags for serving adapters shaped like the one in ``adapter_dir``."""
+    try:
+        config = orjson.loads((adapter_dir / "adapter_config.json").read_bytes())
+        targets = config["target_modules"]
+        targets = [targets] if isinstance(targets, str) else [str(t) for t in targets]
+        return ["--enable-lora", "--max-lora-rank", str(int(config["r"])),
+                "--lora-target-modules", *targets]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"cannot read {adapter_dir}/adapter_config.json: {exc}") from None
 
 
 def output_logprob(entries: Any, index: int, token: int) -> float | None:

@@ -88,6 +88,7 @@ class TorchEngine:
         self.dtype = resolved
         self._model: Any = None  # a transformers PreTrainedModel; untyped upstream
         self._loaded: tuple[str, int] | None = None
+        self._base: tuple[Path, dict[str, torch.Tensor]] | None = None  # adapter versions'
         self._stops: frozenset[int] = frozenset()  # the loaded model's EOS ids
         self._inbox = Inbox()
         self._queue: deque[GenRequest] = deque()
@@ -112,6 +113,31 @@ class TorchEngine:
             self._stops = generation_eos_ids(Path(model_dir))
             self._loaded = (run_id, version)
 
+    def load_adapter(self, base_dir: Path, adapter_dir: Path, run_id: str, version: int
+                     ) -> None:
+        """Merge the adapter into a CPU copy of the base (read once and kept), then copy the
+        result into the live model as a full version's weights would be: bit for bit the
+        trainer's merged model (:mod:`shared.weights.adapter`), so samples are those of a
+        run that ships merged models. Merging rather than running PEFT's layers keeps one
+        forward path, the plain model's, for every version and every kind of run."""
+        from shared.weights.adapter import AdapterError, merge_adapter, read_base
+
+        try:
+            if self._base is None or self._base[0] != base_dir:
+                self._base = (base_dir, read_base(base_dir))
+            state = merge_adapter(self._base[1], adapter_dir)
+        except (AdapterError, OSError) as exc:
+            raise EngineError(f"cannot apply {adapter_dir} to {base_dir}: {exc}") from exc
+        with self._stepping:
+            if self._wave is not None or self._queue or self._inbox.pending_ids():
+                raise EngineError("cannot swap weights under queued or active requests")
+            if self._model is None or not self._swap_in_place(base_dir, state):
+                self._model = self._full_load(base_dir)
+                if not self._swap_in_place(base_dir, state):
+                    raise EngineError(f"{adapter_dir}: merged weights do not fit {base_dir}")
+            self._stops = generation_eos_ids(base_dir)
+            self._loaded = (run_id, version)
+
     def _full_load(self, model_dir: Path) -> Any:
         try:
             model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
@@ -119,8 +145,10 @@ class TorchEngine:
             raise EngineError(f"cannot load model from {model_dir}: {exc}") from exc
         return model.to(self.device).eval()
 
-    def _swap_in_place(self, model_dir: Path) -> bool:
-        """Copy a new checkpoint into the live model; False if only a full load will do."""
+    def _swap_in_place(self, model_dir: Path,
+                       state: dict[str, torch.Tensor] | None = None) -> bool:
+        """Copy a new checkpoint (``state``, or ``model_dir``'s weights) into the live model;
+        False if only a full load will do."""
         try:
             config = AutoConfig.from_pretrained(model_dir).to_dict()
         except (OSError, ValueError):
@@ -130,11 +158,12 @@ class TorchEngine:
             config.pop(key, None)
             current.pop(key, None)
         files = sorted(model_dir.glob("*.safetensors"))
-        if config != current or not files:
+        if config != current or not (files or state):
             return False
-        state: dict[str, torch.Tensor] = {}
-        for file in files:
-            state.update(load_file(file))
+        if state is None:
+            state = {}
+            for file in files:
+                state.update(load_file(file))
         # Check the keys before copying anything, so a mismatch leaves the model untouched.
         params = dict(self._model.state_dict(keep_vars=True))
         if not set(state) <= set(params):

@@ -13,6 +13,8 @@ One module per noun, in the order a pull uses them:
 - ``pull``          pulling one version: sources, worker threads, resume, publish
 - ``plan``          the chunk schedule of one pull (which chunk from which source, when)
 - ``delta``         a version as its compressed XOR against the version before: build, apply
+- ``adapter``       an adapter-only version merged into its base (torch: imported by the
+                    engines and export that need it, never from here)
 - ``partial``       a version being pulled: its directory and verified-chunk record
 - ``fetch``         moving one chunk: a blocking range client that verifies as it streams
 - ``peer``          a rollout instance serving its verified chunks to other instances
@@ -27,6 +29,7 @@ from shared.weights.client import (
     pin_version,
     published,
     unpin_version,
+    upload_adapter_version,
     upload_files,
     upload_version,
     wait_for_version,
@@ -61,6 +64,7 @@ __all__ = [
     "published",
     "pull_version",
     "unpin_version",
+    "upload_adapter_version",
     "upload_files",
     "upload_version",
     "valid_name",

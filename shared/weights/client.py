@@ -10,6 +10,8 @@ Trainers and rollout instances import these through :mod:`shared.weights`. Contr
   version is already there with this content), :func:`upload_files` (files only, into the
   version's staging area, where uploads from any number of connections meet) and
   :func:`commit_version` (one caller, once every part is in).
+- :func:`upload_adapter_version` publishes a LoRA version as its adapter alone, over a full
+  base version of the run that is published already (:mod:`shared.weights.manifest`).
 - :func:`wait_for_version` polls until a version is published.
 - :func:`pin_version` / :func:`unpin_version`: a pinned version is never collected. The service
   already keeps the newest two (the step being rolled out and the one being published); a caller
@@ -26,15 +28,26 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import logging
+import shutil
 import ssl
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from shared.errors import WeightsError
 from shared.tls import Tls
-from shared.weights.manifest import Manifest, check_ids, valid_name
+from shared.weights.manifest import (
+    ADAPTER_BASE_NAME,
+    ADAPTER_FILES,
+    ADAPTER_SUFFIX,
+    Manifest,
+    check_ids,
+    content_sha256,
+    valid_name,
+)
 from shared.weights.session import Session
 
 log = logging.getLogger(__name__)
@@ -160,6 +173,25 @@ async def upload_version(
         return existing
     await upload_files(base_url, token, run_id, version, files, timeout_s, tls=tls)
     return await commit_version(base_url, token, run_id, version, timeout_s, tls=tls)
+
+
+async def upload_adapter_version(
+    base_url: str, token: str | None, run_id: str, version: int, model_dir: Path, base: int,
+    timeout_s: float = 60, *, tls: Tls | None = None,
+) -> Manifest:
+    """Publish the adapter of LoRA version ``model_dir`` (PEFT's files under
+    :data:`ADAPTER_SUFFIX`, beside the merged model) as an adapter-only version over ``base``,
+    a full version of the run; idempotent as :func:`upload_version` is."""
+    reply = await wait_for_version(base_url, token, run_id, base, timeout_s, tls=tls)
+    if "adapter" in reply:
+        raise WeightsError(f"{run_id}/{base} is an adapter version, not a base", False)
+    ref = {"base": base, "base_sha256": content_sha256(reply)}
+    with tempfile.TemporaryDirectory(dir=model_dir.parent, prefix=".adapter-") as scratch:
+        out = Path(scratch)
+        for name in ADAPTER_FILES:
+            shutil.copyfile(model_dir / (name + ADAPTER_SUFFIX), out / name)
+        (out / ADAPTER_BASE_NAME).write_text(json.dumps(ref, sort_keys=True))
+        return await upload_version(base_url, token, run_id, version, out, timeout_s, tls=tls)
 
 
 async def wait_for_version(

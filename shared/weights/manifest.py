@@ -11,10 +11,18 @@ A manifest may carry a ``delta`` entry: the same version as a delta from an olde
 puller holding that one reconstructs instead of downloading every file (format and checks:
 :mod:`shared.weights.delta`). The delta's blob is a file of the version directory under a
 reserved name (:func:`is_delta_name`) that is never uploaded and never among ``files``.
+
+A manifest may carry an ``adapter`` entry instead: the version is a LoRA adapter over a base
+version (a full one), named by number and identified by :func:`content_sha256` of its manifest,
+so a puller that holds the base pulls the adapter's files alone (:mod:`shared.weights.pull`).
+The trainer asks for it by uploading :data:`ADAPTER_BASE_NAME`; the service checks the
+reference against the base it holds before it publishes (:func:`check_adapter`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from typing import Literal, NamedTuple, NotRequired, TypedDict
 
@@ -30,6 +38,11 @@ DELTA_PREFIX = "rlboost-delta-"  # reserved: the delta blob of a version, built 
 # engine loads the merged model beside them (trainer_svc.learn.lora, rlboost export).
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 ADAPTER_SUFFIX = ".lora"
+# An adapter-only version carries PEFT's files under their own names and this small reference to
+# its base ({"base": <version>, "base_sha256": <content_sha256 of its manifest>}).
+ADAPTER_BASE_NAME = "rlboost-base.json"
+MAX_ADAPTER_BASE_BYTES = 4096
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 MAX_CHUNKS = 1 << 20  # a manifest naming more chunks than this is refused (bounded memory)
 
 
@@ -59,12 +72,18 @@ class DeltaEntry(TypedDict):
     sections: list[DeltaSection]  # one per file of the version, in manifest order
 
 
+class AdapterEntry(TypedDict):
+    base: int  # the full version the adapter applies to (an older one of the same run)
+    base_sha256: str  # content_sha256 of the base's manifest: which bytes, whoever holds them
+
+
 class Manifest(TypedDict):
     run_id: str
     version: int
     chunk_bytes: int  # chunk size the service used when it committed the version
     files: list[FileEntry]  # sorted by name
     delta: NotRequired[DeltaEntry]  # when the service built a delta that pays off
+    adapter: NotRequired[AdapterEntry]  # an adapter-only version: its files need this base
 
 
 class Chunk(NamedTuple):
@@ -115,6 +134,40 @@ def check_manifest(manifest: Manifest, run_id: str, version: int) -> None:
         count += len(f["chunks"])
     if count > MAX_CHUNKS:
         raise WeightsError(f"manifest has {count} chunks, more than {MAX_CHUNKS}", False)
+    if "adapter" in manifest:
+        check_adapter(manifest["adapter"], version)
+
+
+def check_adapter(entry: object, version: int) -> AdapterEntry:
+    """Refuse an adapter entry (or the body of :data:`ADAPTER_BASE_NAME`) that is not exactly
+    ``{"base": <older version>, "base_sha256": <64 lower-case hex>}``."""
+    if not isinstance(entry, dict) or set(entry) != {"base", "base_sha256"}:
+        raise WeightsError(f"adapter base must be {{'base', 'base_sha256'}}: {entry!r:.200}",
+                           False)
+    base, digest = entry["base"], entry["base_sha256"]
+    if not (isinstance(base, int) and not isinstance(base, bool) and 0 <= base < version):
+        raise WeightsError(f"adapter base {base!r:.40} is not an older version", False)
+    if not (isinstance(digest, str) and SHA256_RE.fullmatch(digest)):
+        raise WeightsError(f"adapter base_sha256 {digest!r:.80} is not a sha256 hex digest",
+                           False)
+    return {"base": base, "base_sha256": digest}
+
+
+def content_sha256(manifest: Manifest) -> str:
+    """The identity of a version's bytes: sha256 over its files' names, sizes and sha256s.
+
+    Not the manifest file's own hash: run id, version number, chunk size and a delta entry
+    say where and how a version is served, not what it is, and a base pre-seeded in an image
+    or published by another run must be recognised by its bytes alone. A LoRA version's
+    hidden adapter files (:data:`ADAPTER_SUFFIX`) are left out: they are the run's initial
+    adapter (random, per seed), not part of the base any adapter applies to."""
+    return files_sha256([(f["name"], f["size"], f["sha256"]) for f in manifest["files"]])
+
+
+def files_sha256(files: list[tuple[str, int, str]]) -> str:
+    """:func:`content_sha256` of files given as (name, size, sha256), in name order."""
+    kept = [[n, size, digest] for n, size, digest in files if not n.endswith(ADAPTER_SUFFIX)]
+    return hashlib.sha256(json.dumps(kept, separators=(",", ":")).encode()).hexdigest()
 
 
 def check_file(f: FileEntry) -> None:

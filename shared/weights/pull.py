@@ -25,6 +25,15 @@ Contract of :func:`pull_version` (exported by :mod:`shared.weights`):
   (``corrupt``) or cannot be fetched (``error``), a rebuild that does not match (``mismatch``),
   leaves the unverified chunks to the ordinary pull: the version is never worse than a full
   pull's. ``stats`` (a :class:`PullStats`) tells the caller which way it went and why.
+- Adapter: when the manifest has an ``adapter`` entry (an adapter-only version of a LoRA run),
+  the pull first makes sure ``dest_root/<run_id>/<base>/`` holds the base it names, whole, with
+  that content hash and every file's bytes matching its sha256 (hashed once per process): held
+  already (``disk``), found in ``seeded`` (a directory of bases in the instance's image,
+  ``<seeded>/<base_sha256>/``, its files hashed once per process: ``seeded``), or pulled like
+  any version, with peers (``pulled``: none held; ``replaced``: the one held was not it). A
+  base the service cannot deliver with that hash is a non-retryable WeightsError. Then only
+  the adapter's files are pulled (``kind`` ``adapter``); ``stats.base_dir`` names the base,
+  and ``stats.base`` what its pull did.
 - A service outage is ridden out (retries with backoff) until ``timeout_s`` pass without a
   verified chunk. Every failure is a :class:`WeightsError`; ``retryable`` is False where retrying
   cannot help (a bad name, a chunk corrupt at the service, a rejected token).
@@ -33,11 +42,14 @@ Contract of :func:`pull_version` (exported by :mod:`shared.weights`):
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import logging
 import random
 import shutil
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +60,16 @@ from shared.process import wait_event
 from shared.tls import Tls
 from shared.weights.delta import apply_delta, check_delta
 from shared.weights.fetch import BLOCK, RangeConn, SourceError, Stopped
-from shared.weights.manifest import Chunk, Manifest, check_ids, check_manifest
+from shared.weights.manifest import (
+    MANIFEST_NAME,
+    AdapterEntry,
+    Chunk,
+    Manifest,
+    check_ids,
+    check_manifest,
+    content_sha256,
+    files_sha256,
+)
 from shared.weights.partial import Partial, local_manifest
 from shared.weights.peer import PEER_PREFIX, PeerServer
 from shared.weights.plan import Plan
@@ -74,11 +95,106 @@ class CorruptAtSource(WeightsError):
 class PullStats:
     """What one pull did, for its caller's metrics (``stats`` of :func:`pull_version`)."""
 
-    kind: str = ""  # "local" (on disk already), "delta" (rebuilt from the base) or "full"
+    kind: str = ""  # "local" (on disk already), "delta" (rebuilt from the base), "adapter"
+    # (the adapter's files only, over a base held or pulled first) or "full"
     delta_bytes: int = 0  # bytes of a delta blob fetched (0 when none was tried)
     bytes_from_service: int = 0  # chunks of the version's files (what a fallback fetched)
     bytes_from_peers: int = 0
     fallback: str | None = None  # why an offered delta was not used (module doc)
+    base_dir: Path | None = None  # an adapter version's base, whole and verified
+    base_source: str | None = None  # where it came from: disk, seeded, pulled or replaced
+    base: PullStats | None = None  # what pulling the base did, when it was pulled
+
+
+# Base directories whose files were hashed against their manifest by this process, with the
+# content hash they had: a restarted instance re-checks a base once, not at every version.
+_verified_bases: dict[Path, str] = {}
+
+
+def _files_match(final: Path, manifest: Manifest) -> bool:
+    for f in manifest["files"]:
+        try:
+            with (final / f["name"]).open("rb") as src:
+                if hashlib.file_digest(src, "sha256").hexdigest() != f["sha256"]:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
+def _seeded_base(where: Path, digest: str) -> bool:
+    """True when ``where`` (a pre-seeded base) holds flat files whose content hash is
+    ``digest``; its files are hashed, once per process."""
+    if _verified_bases.get(where) == digest:
+        return True
+    files = []
+    try:
+        for path in sorted(where.iterdir()):
+            if path.is_file() and not path.name.startswith(".") and path.name != MANIFEST_NAME:
+                with path.open("rb") as src:
+                    sha = hashlib.file_digest(src, "sha256").hexdigest()
+                files.append((path.name, path.stat().st_size, sha))
+    except OSError:
+        return False
+    if not files or files_sha256(files) != digest:
+        return False
+    _verified_bases[where] = digest
+    return True
+
+
+def _held_base(base_dir: Path, run_id: str, entry: AdapterEntry) -> bool | None:
+    """True: ``base_dir`` holds the base whole and verified; False: it holds another version's
+    bytes (or damaged ones); None: nothing whole."""
+    held = local_manifest(base_dir, run_id, entry["base"])
+    if held is None:
+        return None
+    if content_sha256(held) != entry["base_sha256"]:
+        return False
+    if _verified_bases.get(base_dir) != entry["base_sha256"]:
+        if not _files_match(base_dir, held):
+            return False
+        _verified_bases[base_dir] = entry["base_sha256"]
+    return True
+
+
+async def _ensure_base(manifest: Manifest, dest_root: Path, stats: PullStats,
+                       pull: Callable[..., Awaitable[Path]], seeded: Path | None) -> None:
+    """Make ``dest_root`` hold the base of ``manifest`` when it is an adapter version, unless
+    ``seeded`` has it (module doc); ``pull(version, stats=...)`` pulls one."""
+    if "adapter" not in manifest:
+        return
+    run_id, entry = manifest["run_id"], manifest["adapter"]
+    base_dir = dest_root / run_id / str(entry["base"])
+    held = await asyncio.to_thread(_held_base, base_dir, run_id, entry)
+    image = seeded / entry["base_sha256"] if seeded is not None else None
+    if held:
+        stats.base_source = "disk"
+    elif image is not None and await asyncio.to_thread(_seeded_base, image, entry["base_sha256"]):
+        stats.base_source, base_dir = "seeded", image
+    else:
+        stats.base_source = "pulled" if held is None else "replaced"
+        log.info("%s/%d: %s base v%d", run_id, manifest["version"],
+                 "pulling its" if held is None else "the held one is not it; pulling the",
+                 entry["base"])
+        await asyncio.to_thread(shutil.rmtree, base_dir, True)
+        stats.base = PullStats()
+        await pull(entry["base"], stats=stats.base)
+        if not await asyncio.to_thread(_held_base, base_dir, run_id, entry):
+            raise WeightsError(f"{run_id}/{entry['base']} at the service is not the base that "
+                               f"v{manifest['version']} names", retryable=False)
+    stats.base_dir = base_dir
+
+
+async def _held(final: Path, dest_root: Path, run_id: str, version: int, stats: PullStats,
+                pull: Callable[..., Awaitable[Path]], seeded: Path | None) -> bool:
+    """True when ``final`` holds the version whole already (and, for an adapter version, its
+    base is in place too): nothing to pull."""
+    held = await asyncio.to_thread(local_manifest, final, run_id, version)
+    if held is None:
+        return False
+    await _ensure_base(held, dest_root, stats, pull, seeded)
+    stats.kind = "local"
+    return True
 
 
 class _Service:
@@ -345,20 +461,23 @@ async def pull_version(
     serve: PeerServer | None = None,
     tls: Tls | None = None,
     stats: PullStats | None = None,
+    seeded: Path | None = None,
 ) -> Path:
     """Download and verify (run_id, version) into ``dest_root/<run_id>/<version>/``; returns it.
     ``tls``: the CA the service (and peers) are verified with (shared.tls); ``stats``, if
-    given, is filled in with what the pull did."""
+    given, is filled in with what the pull did; ``seeded``: pre-seeded bases (module doc)."""
     tls = tls or Tls()
     stats = stats if stats is not None else PullStats()
     check_ids(run_id, version)
     if parallel < 1:
         raise WeightsError(f"parallel must be >= 1, got {parallel}", retryable=False)
     final = dest_root / run_id / str(version)
-    if await asyncio.to_thread(local_manifest, final, run_id, version) is not None:
+    pull_base = functools.partial(pull_version, base_url, token, run_id, dest_root=dest_root,
+                                  parallel=parallel, timeout_s=timeout_s, peers=peers,
+                                  serve=serve, tls=tls, seeded=seeded)
+    if await _held(final, dest_root, run_id, version, stats, pull_base, seeded):
         if serve is not None:
             serve.advertise(base_url, run_id, version)
-        stats.kind = "local"
         return final
     if final.exists():  # damaged by hand or by something outside this module: pull it afresh
         await asyncio.to_thread(shutil.rmtree, final, True)
@@ -369,13 +488,14 @@ async def pull_version(
         if manifest is None:
             raise WeightsError(f"{run_id}/{version} is not published on {base_url} (yet or now)")
         check_manifest(manifest, run_id, version)
+        await _ensure_base(manifest, dest_root, stats, pull_base, seeded)  # the adapter needs it
         partial_dir = dest_root / run_id / f".partial-{version}"
         try:
             partial = await asyncio.to_thread(Partial, partial_dir, manifest)
         except OSError as exc:
             raise WeightsError(f"cannot prepare {partial_dir}: {exc}", retryable=False) from exc
         svc = _Service(base_url, data_url, token, manifest_path, tls)
-        stats.kind = "full"
+        stats.kind = "adapter" if "adapter" in manifest else "full"
         await _try_delta(manifest, partial, dest_root, svc, parallel, timeout_s, stats)
         plan = Plan(partial.chunks, set(partial.done), partial.fds, parallel,
                     random.randrange(max(len(partial.chunks), 1)), peers)

@@ -295,3 +295,47 @@ def test_starts_its_own_server_at_first_load_and_stops_it(
     proc = eng._owned
     eng.close()
     assert proc.poll() is not None, "close() must stop the server it started"
+
+
+def adapter(root: Path, name: str, shift: int) -> Path:
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "standin_shift": shift,
+                                                          "target_modules": ["q_proj"]}))
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_adapter_versions_go_through_the_lora_api(engine: SGLangEngine,
+                                                  standin: tuple[str, Path]) -> None:
+    """An adapter version on the loaded base is one /load_lora_adapter, named in every
+    /generate's lora_path; the next unloads the one before; a full version unloads the last;
+    the base is put in place only when it is not the one loaded."""
+    url, root = standin
+    engine.load_adapter(root / "v0", adapter(root, "a1", 5), "run", 1)
+    assert calls(url, "/update_weights_from_disk") == []  # v0 is the loaded base already
+    assert calls(url, "/load_lora_adapter") == [{"lora_name": "run-v1",
+                                                 "lora_path": str(root / "a1")}]
+    engine.add(req("a", [7], budget=3, version=1))
+    assert [e.token_id for e in run_all(engine)["a"]] == [13, 19, 25]  # base shift 0, +5
+    assert calls(url, "/generate")[-1]["lora_path"] == "run-v1"
+
+    engine.load_adapter(root / "v0", adapter(root, "a2", 1), "run", 2)
+    assert calls(url, "/load_lora_adapter")[-1]["lora_name"] == "run-v2"
+    assert calls(url, "/unload_lora_adapter") == [{"lora_name": "run-v1"}]
+    engine.add(req("b", [7], budget=2, version=2))
+    assert [e.token_id for e in run_all(engine)["b"]] == [9, 11]
+
+    engine.load(root / "v1", "run", 3)  # a full version: no adapter any more
+    assert calls(url, "/unload_lora_adapter")[-1] == {"lora_name": "run-v2"}
+    engine.add(req("c", [7], budget=1, version=3))
+    run_all(engine)
+    assert "lora_path" not in calls(url, "/generate")[-1]
+
+    # Over another base: that base first, then the adapter.
+    engine.load_adapter(root / "v0", adapter(root, "a4", 2), "run", 4)
+    assert calls(url, "/update_weights_from_disk")[-1]["model_path"] == str(root / "v0")
+    assert engine.loaded == ("run", 4)
+    with pytest.raises(EngineError, match="load_lora_adapter"):
+        engine.load_adapter(root / "v0", root / "missing", "run", 5)
+    assert engine.loaded is None

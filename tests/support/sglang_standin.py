@@ -27,6 +27,13 @@ shifted as SGLang's pre-temperature value would differ when the server runs with
 scheduler adds the model's own, an ``eos_token_id`` of the model directory's
 ``generation_config.json``; or at ``max_new_tokens``.
 
+Adapters: ``/load_lora_adapter`` (``lora_name``, ``lora_path``, ``pinned``; the directory must
+hold ``adapter_config.json``) and ``/unload_lora_adapter`` (``lora_name``) answer
+``{success, error_message, loaded_adapters}``, 200 or 400, as SGLang's
+``LoadLoRAAdapterReqOutput``; a ``/generate`` naming an adapter in ``lora_path`` that is not
+loaded is a 400. An adapter adds ``standin_shift`` of its ``adapter_config.json`` to the
+model's, so a test sees which adapter generated a token.
+
 Test hooks, not SGLang: ``GET /_standin/calls`` (every call with its JSON body, in order),
 ``POST /_standin/reset``, ``POST /_standin/fail`` (``{"status": 500, "count": n}``: the next n
 ``/generate`` calls fail).
@@ -75,6 +82,7 @@ class State:
     calls: list[dict[str, Any]] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)
+    adapters: dict[str, int] = field(default_factory=dict)  # loaded adapter -> its shift
     fail_status: int = 0
     fail_count: int = 0
 
@@ -138,12 +146,16 @@ def create_app(state: State) -> FastAPI:
         if state.fail_count > 0:
             state.fail_count -= 1
             return JSONResponse({"error": {"message": "injected"}}, status_code=state.fail_status)
+        lora = body.get("lora_path")
+        if lora is not None and lora not in state.adapters:
+            return _bad(f"LoRA adapter {lora!r} is not loaded")
         rid = str(body.get("rid") or uuid.uuid4().hex)
         stops = set(params.get("stop_token_ids") or []) | model_eos(state.model_path)
         budget = int(params.get("max_new_tokens", 128))
         if budget < 1:
             return _bad("max_new_tokens must be positive")
-        frames = _frames(state, rid, list(ids), budget, stops, bool(body.get("return_logprob")))
+        frames = _frames(state, rid, list(ids), budget, stops, bool(body.get("return_logprob")),
+                         state.adapters.get(lora, 0) if lora is not None else 0)
         if body.get("stream"):
             return StreamingResponse(_sse(frames), media_type="text/event-stream")
         last: dict[str, Any] = {}
@@ -195,6 +207,37 @@ def create_app(state: State) -> FastAPI:
             message += f" Weight version updated to {state.weight_version}."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
+    def lora_reply(error: str | None) -> JSONResponse:
+        return JSONResponse({"success": error is None, "error_message": error,
+                             "loaded_adapters": dict.fromkeys(state.adapters, "")},
+                            status_code=200 if error is None else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora(request: Request) -> JSONResponse:
+        body = await request.json()
+        record("/load_lora_adapter", body)
+        unknown = set(body) - {"lora_name", "lora_path", "pinned"}
+        if unknown:
+            return _bad(f"unexpected fields {sorted(unknown)}")
+        name = str(body.get("lora_name", ""))
+        if name in state.adapters:
+            return lora_reply(f"The LoRA adapter {name} is already loaded")
+        try:
+            config = json.loads((Path(str(body.get("lora_path"))) / "adapter_config.json")
+                                .read_text())
+        except (OSError, ValueError) as exc:
+            return lora_reply(f"Failed to load LoRA adapter {name}: {exc}")
+        state.adapters[name] = int(config.get("standin_shift", 0))
+        return lora_reply(None)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora(request: Request) -> JSONResponse:
+        body = await request.json()
+        record("/unload_lora_adapter", body)
+        if state.adapters.pop(str(body.get("lora_name", "")), None) is None:
+            return lora_reply(f"LoRA adapter {body.get('lora_name')!r} is not loaded")
+        return lora_reply(None)
+
     @app.get("/_standin/calls")
     async def calls() -> list[dict[str, Any]]:
         return state.calls
@@ -216,7 +259,7 @@ def create_app(state: State) -> FastAPI:
 
 
 async def _frames(state: State, rid: str, ids: list[int], budget: int, stops: set[int],
-                  logprobs: bool) -> AsyncIterator[dict[str, Any]]:
+                  logprobs: bool, lora_shift: int = 0) -> AsyncIterator[dict[str, Any]]:
     state.running.add(rid)
     out: list[int] = []
     try:
@@ -229,7 +272,7 @@ async def _frames(state: State, rid: str, ids: list[int], budget: int, stops: se
             if rid in state.aborted:
                 token, reason = None, {"type": "abort", "message": "Abort request " + rid}
             else:
-                token = (last + 1 + state.shift) % VOCAB
+                token = (last + 1 + state.shift + lora_shift) % VOCAB
                 out.append(token)
                 last = token
                 reason = {"type": "stop", "matched": token} if token in stops else \
