@@ -7,7 +7,8 @@ rank is SIGKILLed: rank 1 in one step, rank 0 (the service itself) in a later on
 the surviving rank must leave rather than fail the run, torchrun must start a new group (the
 agent process stays the same, the ranks are new processes) and the new rank 0 must restore
 the last checkpoint and redo the step. The run then finishes with invariants 1-3 on every
-step (tests.support.invariants.check_run).
+step (tests.support.invariants.check_run). The same for a LoRA run, whose versions after the
+first are then adapter-only.
 """
 
 from __future__ import annotations
@@ -97,13 +98,16 @@ def trainer(cluster: Cluster) -> Child:
     return next(c for c in cluster.children if c.name == "trainer")
 
 
-def test_rank_killed_mid_step_restarts_group(cluster: Cluster) -> None:
+@pytest.mark.parametrize("lora", [None, {"rank": 4, "alpha": 8}], ids=["full", "lora"])
+def test_rank_killed_mid_step_restarts_group(cluster: Cluster,
+                                             lora: dict[str, int] | None) -> None:
     agent = trainer(cluster)
     assert agent.proc is not None
     rng = random.Random(int(os.environ.get("RLBOOST_TEST_SEED", "7")))
     killed: list[tuple[int, int, int]] = []  # (step, rank, pid) of every rank that was alive
+    spec = SPEC if lora is None else {**SPEC, "lora": lora}
     with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=10) as client:
-        run_id = client.post("/v1/runs", json=SPEC).json()["id"]
+        run_id = client.post("/v1/runs", json=spec).json()["id"]
         for step, rank in KILLS:
             # After the last kill's step: a fast step can end inside the random pause below.
             step = max(step, killed[-1][0] + 1) if killed else step
@@ -129,7 +133,20 @@ def test_rank_killed_mid_step_restarts_group(cluster: Cluster) -> None:
             print(f"step {at}: SIGKILLed rank {rank} (pid {pids[rank]})")
         final = wait_run(client, run_id, timeout_s=300, cluster=cluster)
         assert final["state"] == "succeeded", (final, agent.tail(60))
-        check_run(client, run_id, SPEC)
+        check_run(client, run_id, spec)
+    # A LoRA run's sharded trainer publishes version 0 whole from both ranks, and every later
+    # version as its adapter alone from rank 0 (docs/weights.md "LoRA versions").
+    # Versions collected by now (RLBOOST_WEIGHTS_KEEP) answer 404; a LoRA run keeps its base.
+    weights = cluster.env["RLBOOST_WEIGHTS_URL"]
+    served = []
+    for version in range(SPEC["steps"] + 1):
+        reply = httpx.get(f"{weights}/v1/weights/{run_id}/{version}/manifest", timeout=10)
+        if reply.status_code == 404:
+            continue
+        served.append(version)
+        manifest = reply.json()
+        assert ("adapter" in manifest) is (lora is not None and version > 0), (version, manifest)
+    assert SPEC["steps"] in served and (lora is None or 0 in served), served
     assert [r for _, r, _ in killed] == [r for _, r in KILLS]
     assert all(a < b for (a, _, _), (b, _, _) in itertools.pairwise(killed))
     log = agent.log_path.read_text(errors="replace")
