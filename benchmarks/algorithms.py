@@ -25,6 +25,8 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,20 @@ WINDOW = 5  # steps averaged at each end
 VARIANTS: dict[str, dict[str, Any]] = {"dapo+dynamic_sampling": {"algorithm": "dapo",
                                                                  "dynamic_sampling": True}}
 ROWS = [a.value for a in Algorithm] + list(VARIANTS)
+
+
+@contextmanager
+def torch_cluster(prefix: str) -> Iterator[tuple[Cluster, httpx.Client]]:
+    """The services with a reserved and a spot torch instance in a temporary directory, and a
+    client of the manager; every process stopped on the way out."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        cluster = Cluster(Path(tmp), spot=1, reserved=1, engine="torch")
+        try:
+            cluster.start()
+            with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=30) as client:
+                yield cluster, client
+        finally:
+            cluster.stop()
 
 
 def run_one(client: httpx.Client, spec: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
@@ -79,34 +95,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exit_on_sigterm()
     rows: list[tuple[str, float, float, dict[str, float | None], float]] = []
-    with tempfile.TemporaryDirectory(prefix="rlboost-algorithms-") as tmp:
-        cluster = Cluster(Path(tmp), spot=1, reserved=1, engine="torch")
-        try:
-            cluster.start()
-            with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=30) as client:
-                for algorithm in args.algorithms:
-                    spec: dict[str, Any] = {
-                        "model": "tiny", "algorithm": algorithm, "steps": args.steps,
-                        "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
-                        "seed": args.seed, **VARIANTS.get(algorithm, {})}
-                    if args.scale_lr:
-                        cfg = RunSpec(**spec).algorithm_config()
-                        spec["learning_rate"] = RunSpec().learning_rate / (
-                            cfg.updates_per_step * cfg.minibatches)
-                    print(f"running {algorithm} ...", flush=True)
-                    started = time.monotonic()
-                    steps = run_one(client, spec, args.timeout)
-                    wall = time.monotonic() - started
-                    rewards = [float(s["reward_mean"]) for s in steps]
-                    first = statistics.fmean(rewards[:WINDOW])
-                    last = statistics.fmean(rewards[-WINDOW:])
-                    extra = {n: mean_of(steps, n) for n in (
-                        "clip_fraction", "entropy", "grad_norm", "streamed_fraction",
-                        "optimizer_steps", "prompts_generated", "tokens_discarded")}
-                    rows.append((algorithm, first, last, extra, wall))
-                    print(f"  first-{WINDOW} {first:.3f} -> last-{WINDOW} {last:.3f}", flush=True)
-        finally:
-            cluster.stop()
+    with torch_cluster("rlboost-algorithms-") as (_, client):
+        for algorithm in args.algorithms:
+            spec: dict[str, Any] = {
+                "model": "tiny", "algorithm": algorithm, "steps": args.steps,
+                "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
+                "seed": args.seed, **VARIANTS.get(algorithm, {})}
+            if args.scale_lr:
+                cfg = RunSpec(**spec).algorithm_config()
+                spec["learning_rate"] = RunSpec().learning_rate / (
+                    cfg.updates_per_step * cfg.minibatches)
+            print(f"running {algorithm} ...", flush=True)
+            started = time.monotonic()
+            steps = run_one(client, spec, args.timeout)
+            wall = time.monotonic() - started
+            rewards = [float(s["reward_mean"]) for s in steps]
+            first = statistics.fmean(rewards[:WINDOW])
+            last = statistics.fmean(rewards[-WINDOW:])
+            extra = {n: mean_of(steps, n) for n in (
+                "clip_fraction", "entropy", "grad_norm", "streamed_fraction",
+                "optimizer_steps", "prompts_generated", "tokens_discarded")}
+            rows.append((algorithm, first, last, extra, wall))
+            print(f"  first-{WINDOW} {first:.3f} -> last-{WINDOW} {last:.3f}", flush=True)
     print(f"\nembedded task (tiny model, arith-seq), {args.steps} steps of {args.prompts} x "
           f"{args.samples}, seed {args.seed}, paper defaults scaled to the run"
           + (", learning rate / optimizer steps per RL step" if args.scale_lr else ""))

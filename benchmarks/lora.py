@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.algorithms import WINDOW, run_one
-from rlboost.launcher import Cluster
+from benchmarks.algorithms import WINDOW, run_one, torch_cluster
 from shared.process import exit_on_sigterm
 from shared.weights.manifest import ADAPTER_SUFFIX
 
@@ -60,25 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     rows: list[tuple[int, float, float, float]] = []
     sizes = (0, 0)
-    with tempfile.TemporaryDirectory(prefix="rlboost-lora-") as tmp:
-        cluster = Cluster(Path(tmp), spot=1, reserved=1, engine="torch")
-        try:
-            cluster.start()
-            with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=30) as client:
-                for seed in args.seeds:
-                    print(f"running seed {seed} ...", flush=True)
-                    started = time.monotonic()
-                    steps = run_one(client, spec_for(seed, args), args.timeout)
-                    wall = time.monotonic() - started
-                    rewards = [float(s["reward_mean"]) for s in steps]
-                    first = statistics.fmean(rewards[:WINDOW])
-                    last = statistics.fmean(rewards[-WINDOW:])
-                    rows.append((seed, first, last, wall))
-                    print(f"  first-{WINDOW} {first:.3f} -> last-{WINDOW} {last:.3f}", flush=True)
-                run_id = client.get("/v1/runs").json()[0]["id"]
-            sizes = version_bytes(cluster.env["RLBOOST_WEIGHTS_URL"], run_id, args.steps)
-        finally:
-            cluster.stop()
+    with torch_cluster("rlboost-lora-") as (cluster, client):
+        for seed in args.seeds:
+            print(f"running seed {seed} ...", flush=True)
+            started = time.monotonic()
+            steps = run_one(client, spec_for(seed, args), args.timeout)
+            wall = time.monotonic() - started
+            rewards = [float(s["reward_mean"]) for s in steps]
+            first = statistics.fmean(rewards[:WINDOW])
+            last = statistics.fmean(rewards[-WINDOW:])
+            rows.append((seed, first, last, wall))
+            print(f"  first-{WINDOW} {first:.3f} -> last-{WINDOW} {last:.3f}", flush=True)
+        run_id = client.get("/v1/runs").json()[0]["id"]
+        sizes = version_bytes(cluster.env["RLBOOST_WEIGHTS_URL"], run_id, args.steps)
     print(f"\ntiny-chat on the word problems, LoRA rank {args.rank} alpha {2 * args.rank} on "
           f"q/k/v/o/gate/up/down, {args.steps} steps of 16 x 8, learning rate {args.lr:g}")
     print(f"{'seed':>4} {'first-5':>7} {'last-5':>7} {'gain':>7} {'wall s':>7}")

@@ -35,12 +35,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 
 from benchmarks import paper
-from benchmarks.algorithms import WINDOW, run_one
-from rlboost.launcher import Cluster
+from benchmarks.algorithms import WINDOW, run_one, torch_cluster
 from rollout_svc.engines.emu_models import serving_model
 from shared.process import exit_on_sigterm
 
@@ -139,25 +137,19 @@ def spec_for(seed: int, k: int, off_policy: str, steps: int) -> dict[str, Any]:
 def part_b(args: argparse.Namespace) -> list[Learning]:
     configs = [c for c in CONFIGS if c[0] in args.configs]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="rlboost-async-chat-") as tmp:
-        cluster = Cluster(Path(tmp), spot=1, reserved=1, engine="torch")
-        try:
-            cluster.start()
-            with httpx.Client(base_url=cluster.env["RLBOOST_MANAGER_URL"], timeout=30) as client:
-                for seed in args.seeds:
-                    for name, k, off_policy in configs:
-                        print(f"running {name}, seed {seed} ...", flush=True)
-                        started = time.monotonic()
-                        steps = run_one(client, spec_for(seed, k, off_policy, args.steps),
-                                        args.timeout)
-                        wall = time.monotonic() - started
-                        rewards = [float(s["reward_mean"]) for s in steps]
-                        rows.append(Learning(name, seed, statistics.fmean(rewards[:WINDOW]),
-                                             statistics.fmean(rewards[-WINDOW:]), wall))
-                        print(f"  first-{WINDOW} {rows[-1].first:.3f} -> last-{WINDOW} "
-                              f"{rows[-1].last:.3f} ({wall:.0f}s)", flush=True)
-        finally:
-            cluster.stop()
+    with torch_cluster("rlboost-async-chat-") as (_, client):
+        for seed in args.seeds:
+            for name, k, off_policy in configs:
+                print(f"running {name}, seed {seed} ...", flush=True)
+                started = time.monotonic()
+                steps = run_one(client, spec_for(seed, k, off_policy, args.steps),
+                                args.timeout)
+                wall = time.monotonic() - started
+                rewards = [float(s["reward_mean"]) for s in steps]
+                rows.append(Learning(name, seed, statistics.fmean(rewards[:WINDOW]),
+                                     statistics.fmean(rewards[-WINDOW:]), wall))
+                print(f"  first-{WINDOW} {rows[-1].first:.3f} -> last-{WINDOW} "
+                      f"{rows[-1].last:.3f} ({wall:.0f}s)", flush=True)
     return rows
 
 
