@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import json
 import logging
 import shutil
@@ -46,6 +45,7 @@ from shared.weights.manifest import (
     Manifest,
     check_ids,
     content_sha256,
+    file_sha256,
     valid_name,
 )
 from shared.weights.session import Session
@@ -85,14 +85,6 @@ async def _file_body(path: Path) -> AsyncIterator[bytes]:
             yield block
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(_IO_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
 async def _same_content(manifest: Manifest, files: list[Path]) -> bool:
     remote = {f["name"]: (f["size"], f["sha256"]) for f in manifest["files"]}
     if set(remote) != {p.name for p in files}:
@@ -100,7 +92,7 @@ async def _same_content(manifest: Manifest, files: list[Path]) -> bool:
     if any(remote[p.name][0] != p.stat().st_size for p in files):
         return False
     for p in files:
-        if await asyncio.to_thread(_sha256_file, p) != remote[p.name][1]:
+        if await asyncio.to_thread(file_sha256, p) != remote[p.name][1]:
             return False
     return True
 

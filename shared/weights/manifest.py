@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 from typing import Literal, NamedTuple, NotRequired, TypedDict
 
 from shared.errors import WeightsError
@@ -162,6 +163,12 @@ def content_sha256(manifest: Manifest) -> str:
     hidden adapter files (:data:`ADAPTER_SUFFIX`) are left out: they are the run's initial
     adapter (random, per seed), not part of the base any adapter applies to."""
     return files_sha256([(f["name"], f["size"], f["sha256"]) for f in manifest["files"]])
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 hex digest of a file's bytes, as a manifest's ``sha256`` states it."""
+    with path.open("rb") as src:
+        return hashlib.file_digest(src, "sha256").hexdigest()
 
 
 def files_sha256(files: list[tuple[str, int, str]]) -> str:

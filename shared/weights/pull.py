@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import random
 import shutil
@@ -68,6 +67,7 @@ from shared.weights.manifest import (
     check_ids,
     check_manifest,
     content_sha256,
+    file_sha256,
     files_sha256,
 )
 from shared.weights.partial import Partial, local_manifest
@@ -112,14 +112,10 @@ _verified_bases: dict[Path, str] = {}
 
 
 def _files_match(final: Path, manifest: Manifest) -> bool:
-    for f in manifest["files"]:
-        try:
-            with (final / f["name"]).open("rb") as src:
-                if hashlib.file_digest(src, "sha256").hexdigest() != f["sha256"]:
-                    return False
-        except OSError:
-            return False
-    return True
+    try:
+        return all(file_sha256(final / f["name"]) == f["sha256"] for f in manifest["files"])
+    except OSError:
+        return False
 
 
 def _seeded_base(where: Path, digest: str) -> bool:
@@ -131,9 +127,7 @@ def _seeded_base(where: Path, digest: str) -> bool:
     try:
         for path in sorted(where.iterdir()):
             if path.is_file() and not path.name.startswith(".") and path.name != MANIFEST_NAME:
-                with path.open("rb") as src:
-                    sha = hashlib.file_digest(src, "sha256").hexdigest()
-                files.append((path.name, path.stat().st_size, sha))
+                files.append((path.name, path.stat().st_size, file_sha256(path)))
     except OSError:
         return False
     if not files or files_sha256(files) != digest:
