@@ -56,7 +56,7 @@ AGENTIC_OBSERVATION_TOKENS = 256
 # pulls for the next one. A joiner holds none, so its first pull is the full version (for an
 # adapter run: the base and the current adapter), unless its image carries the base
 # (``Cluster.base_preseeded``): then an adapter joiner pulls the adapter alone. MEASURED by
-# ``make bench-weights`` (``python -m benchmarks.weights --only delta``, at commit 177deca on
+# ``make bench-weights`` (``python -m benchmarks.weights --only delta``, at commit 703bca1 on
 # this 2-CPU machine): a Qwen2-shaped model (4 layers x 512, 45 M parameters, random init) over
 # 10 real AdamW steps, published in bf16 (89.7 MB a version):
 # * DELTA_BYTES_RATIO: the deltas' bytes over the versions', summed over the 10 versions (16.00
@@ -70,7 +70,7 @@ AGENTIC_OBSERVATION_TOKENS = 256
 # * DELTA_REBUILD_BYTES_S: a holder's delta pull over loopback, where the link is free, is the
 #   rebuild (read the base, decompress, XOR, hash and write every byte, on one thread): the
 #   version's bytes over that pull's time. e6bb352's run of the same command took 0.22-0.30 s
-#   for 89.7 MB (0.30-0.41 GB/s; 177deca's, on a busier machine, 0.72-1.95 s). Charged after the
+#   for 89.7 MB (0.30-0.41 GB/s; 703bca1's, on a busier machine, 0.72-1.95 s). Charged after the
 #   delta's transfer, before the load: a holder on a fast link can pull a whole version sooner
 #   than it rebuilds one from a delta.
 DELTA_BYTES_RATIO = 0.0178
