@@ -20,7 +20,8 @@ from trainer_svc.learn.compute_model import PRESETS, ComputeModel
 # GPU. Spot: the same at a 65 % discount, ASSUMPTION (AWS advertises "up to 90 %"; H100 spot
 # capacity has traded 60-70 % below on-demand in the AWS Spot price history).
 ON_DEMAND_GPU_H = 6.88
-SPOT_GPU_H = 2.41
+SPOT_DISCOUNT = 0.65
+SPOT_GPU_H = 2.41  # ON_DEMAND_GPU_H at SPOT_DISCOUNT, to the cent
 
 # Reasoning-length responses for the paper regime: the budget is Terra-Flux/PolyRL's example
 # (128 prompts x 8 samples, max_response_length=14336). The shape is an ASSUMPTION: lognormal
@@ -113,6 +114,17 @@ class Workload:
     prompt_tokens: int = 4
     seed: int = 0
     turns: Turns | None = None  # None: single-turn responses
+    # Length model beyond the emu engine's (both 0: exactly its draws, sim.turns.length):
+    # the share of a length's log-variance that belongs to its prompt (its group's samples run
+    # long or short together; the marginal stays the same lognormal), and the mean's growth per
+    # step (responses lengthen as training goes on).
+    prompt_share: float = 0.0
+    growth: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prompt_share <= 1.0 or self.growth <= -1.0:
+            raise ValueError(f"workload: prompt_share {self.prompt_share} must be in [0, 1] "
+                             f"and growth {self.growth} > -1")
 
     @classmethod
     def reasoning(cls, prompts: int = 256, samples: int = 8, seed: int = 0) -> Workload:
@@ -144,8 +156,14 @@ class Policy:
     # What a spot instance holding a version pulls for the next (VERSION_KINDS, above): full
     # versions, deltas of full fine-tuning, or a LoRA run's adapters over a base.
     versions: str = "full"
+    # Reserved GPUs that only roll out (a disaggregated reserved side, as veRL's and slime's
+    # one-step-off-policy modes run): the rest only train, on groups as they complete, at
+    # their own count's speed; 0: colocated, every reserved GPU does both in turn.
+    rollout_gpus: int = 0
 
     def __post_init__(self) -> None:
+        if self.rollout_gpus < 0:
+            raise ValueError(f"policy {self.name}: rollout_gpus {self.rollout_gpus} must be >= 0")
         if self.staleness < 0:
             raise ValueError(f"policy {self.name}: staleness {self.staleness} must be >= 0")
         if self.versions not in VERSION_KINDS:
@@ -185,6 +203,8 @@ class Costs:
     dispatch_interval_s: float = 0.25  # the dispatcher's periodic pass (rebalancing)
     chunk_tokens: int = 32  # tokens per commit: a move without flush loses the uncommitted
     grace_s: float = 10.0  # notice to hard stop, billed
+    lease_ttl_s: float = 3.0  # a hard-killed instance's leases expire after this (the default
+    # of RLBOOST_LEASE_TTL_S): its responses wait this long before anyone else may take them
     # Host time per decode step on top of the GPU model: zero for the hardware; the emulation's
     # engines pay their Python loop on shared CPU cores, which the validation measures.
     host_step_s: float = 0.0
@@ -205,12 +225,14 @@ class Costs:
                    host_step_s=host_step_s, barrier_s=barrier_s, report_s=report_s)
 
     @classmethod
-    def paper(cls, model: str, grace_s: float = 120.0) -> Costs:
-        """The paper regime: true context, memory-bound batch, contended egress, publish."""
+    def paper(cls, model: str, grace_s: float = 120.0,
+              mean_tokens: float = REASONING_MEAN_TOKENS) -> Costs:
+        """The paper regime: true context, memory-bound batch (sequences at the prompt plus
+        ``mean_tokens`` of context), contended egress, publish."""
         serving = serving_model(model)
         weights = 2 * serving.params
         kv_room = serving.gpus * GPU_MEMORY_BYTES * KV_MEMORY_SHARE - weights
-        per_seq = serving.kv_bytes_per_token * (REASONING_PROMPT_TOKENS + REASONING_MEAN_TOKENS)
+        per_seq = serving.kv_bytes_per_token * (REASONING_PROMPT_TOKENS + mean_tokens)
         return cls(serving, PRESETS[model], max_batch=max(1, int(kv_room / per_seq)),
                    context_aware=True, publish_s=hardware.publish_seconds(weights),
                    spot_start_s=hardware.SPOT_BOOT_S + hardware.ENGINE_START_S,
@@ -236,3 +258,21 @@ class Cluster:
     # Spot images carry the base model (a pre-seeded base directory): with adapter versions a
     # joiner pulls the adapter alone; full and delta versions pull in full at first join anyway.
     base_preseeded: bool = False
+    # The share of preemptions that are hard kills: no notice, so no hand-back; the instance's
+    # uncommitted tokens are lost and its responses wait for their leases to expire
+    # (Costs.lease_ttl_s). Billing stops at the kill. The rest get a notice (billed through
+    # Costs.grace_s). Which preemption is which is a seeded draw of its own, so every share
+    # sees the same victims at the same moments.
+    hard_kill_share: float = 0.0
+    # Spot instances of another GPU type than the serving model's (sim.hardware_types): decode
+    # and prefill speed relative to the serving model's instance, GPUs per instance (billing;
+    # 0: the serving model's) and running sequences (0: Costs.max_batch).
+    spot_speed: float = 1.0
+    spot_gpus: int = 0
+    spot_batch: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.hard_kill_share <= 1.0:
+            raise ValueError(f"cluster: hard_kill_share {self.hard_kill_share} must be in [0, 1]")
+        if self.spot_speed <= 0 or self.spot_gpus < 0 or self.spot_batch < 0:
+            raise ValueError("cluster: spot_speed must be > 0, spot_gpus and spot_batch >= 0")

@@ -82,6 +82,7 @@ class Instance:
     busy_s: float = 0.0
     billed_from: float = 0.0
     billed_to: float | None = None
+    speed: float = 1.0  # relative to the serving model's instance: another GPU type's
 
     def row(self) -> dict[str, object]:
         """What :mod:`manager_svc.placement` reads of an instance (a registry row)."""
@@ -110,7 +111,8 @@ def start_segment(inst: Instance, costs: Costs, now: float) -> float | None:
     if not inst.active:
         inst.seg_steps = 0
         return None
-    inst.seg_start, inst.seg_prefill = now, costs.serving.prefill_s_per_token * prefill
+    inst.seg_start = now
+    inst.seg_prefill = costs.serving.prefill_s_per_token * prefill / inst.speed
     # Context grows as the segment runs: charge it at the segment's midpoint.
     steps = min(r.left for r in inst.active)
     if steps <= 0:  # a response admitted at its turn's end would spin the clock in place
@@ -118,6 +120,7 @@ def start_segment(inst: Instance, costs: Costs, now: float) -> float | None:
     dt = step_seconds(costs, inst.active)
     if costs.context_aware:
         dt += costs.serving.decode_s_per_seq / CONTEXT_TOKENS * len(inst.active) * steps / 2
+    dt /= inst.speed
     inst.seg_dt, inst.seg_steps = dt, steps
     inst.seg_serial += 1
     return now + inst.seg_prefill + steps * dt

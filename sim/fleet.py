@@ -15,7 +15,9 @@ itself: at a few percent of a version's bytes the difference is small). In an
 asynchronous run (``publish(..., keep_serving=True)``) a ready instance pulls in the background
 and generates on its old version meanwhile; only the load pauses its engine (``on_swap``). When the
 count falls, victims drawn with a seeded generator get a notice: they stop, hand their
-responses back, and stay billed through the grace period.
+responses back, and stay billed through the grace period; or, for a share of them
+(``hard_kill_share``, its own seeded draw), die at once: billing stops, nothing is handed back
+(``on_kill``: the manager finds out when the leases expire).
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class Fleet:
     versions: str = "full"  # what a holder of a version pulls for the next (module doc)
     base_preseeded: bool = False  # adapter versions: a joiner's image holds the base
     on_change: Callable[[], None] | None = None  # the registered spot count may have moved
+    on_kill: Callable[[Instance], None] | None = None  # a hard kill: no notice, no hand-back
+    hard_kill_share: float = 0.0
+    spot_speed: float = 1.0  # spot instances' speed relative to the serving model's
+    spot_batch: int = 0  # spot instances' running sequences (0: Costs.max_batch)
     # A ready instance's background pull is done: its engine stops for the load (seconds).
     on_swap: Callable[[Instance, float], None] | None = None
     instances: list[Instance] = field(default_factory=list)
@@ -62,6 +68,8 @@ class Fleet:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        # Notice or hard kill: a stream of its own, so victims are the same at every share.
+        self._kill_rng = random.Random(f"kill:{self.seed}")
 
     # --- membership -------------------------------------------------------------------------
 
@@ -82,11 +90,15 @@ class Fleet:
         alive = self.spot()
         while len(alive) > count:
             victim = alive.pop(self._rng.randrange(len(alive)))
-            self._leave(victim)
+            if self._kill_rng.random() < self.hard_kill_share:
+                self._kill(victim)
+            else:
+                self._leave(victim)
         for _ in range(count - len(alive)):
             self._serial += 1
-            inst = Instance(f"spot-{self._serial}", "spot", self.costs.max_batch,
-                            self.clock.now, billed_from=self.clock.now)
+            inst = Instance(f"spot-{self._serial}", "spot",
+                            self.spot_batch or self.costs.max_batch, self.clock.now,
+                            billed_from=self.clock.now, speed=self.spot_speed)
             self.instances.append(inst)
             if warm:
                 inst.state, inst.version = "ready", self.version
@@ -113,6 +125,14 @@ class Fleet:
         if was == "ready":
             self.on_notice(inst)
         self.clock.after(0.0, partial(self._gone, inst))
+
+    def _kill(self, inst: Instance) -> None:
+        was = inst.state
+        inst.state, inst.billed_to = "gone", self.clock.now
+        self._pulls = [p for p in self._pulls if p.inst is not inst]
+        self._background.discard(inst.id)
+        if was == "ready" and self.on_kill is not None:
+            self.on_kill(inst)
 
     def _gone(self, inst: Instance) -> None:
         inst.state = "gone"

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_svc.engines.emu_models import response_length
 from sim.config import Costs, Workload
+from sim.turns import length
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,7 @@ def instance_rate(costs: Costs) -> float:
 def step_bound(workload: Workload, costs: Costs, step: int, reserved: int,
                spot_mean: float) -> Bound:
     w = workload
-    lengths = [[response_length(w.seed, step, p, s, 0, w.mean_tokens, w.sigma,
-                                w.max_new_tokens) for s in range(w.samples)]
-               for p in range(w.prompts)]
+    lengths = [[length(w, step, p, s) for s in range(w.samples)] for p in range(w.prompts)]
     spt = costs.compute.seconds_per_token
     tokens = sum(map(sum, lengths))
     t_train = (tokens + w.prompt_tokens * w.prompts * w.samples) * spt

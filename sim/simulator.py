@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -96,8 +96,20 @@ class Simulator:
         self.clock = EventQueue()
         self.fleet = Fleet(self.clock, costs, self._on_ready, self._on_notice, workload.seed,
                            versions=policy.versions, base_preseeded=cluster.base_preseeded,
-                           on_change=self._spot_changed)
-        self.fleet.add_reserved(max(1, cluster.reserved_gpus // costs.serving.gpus))
+                           on_change=self._spot_changed, on_kill=self._on_kill,
+                           hard_kill_share=cluster.hard_kill_share,
+                           spot_speed=cluster.spot_speed, spot_batch=cluster.spot_batch)
+        # A disaggregated reserved side: the rollout GPUs' instances only, and a trainer on
+        # the others at their count's speed (the compute model's figures are per GPU count).
+        self.dedicated = policy.rollout_gpus > 0
+        if self.dedicated:
+            train = cluster.reserved_gpus - policy.rollout_gpus
+            if train < 1 or policy.rollout_gpus < costs.serving.gpus:
+                raise ValueError(f"policy {policy.name}: {policy.rollout_gpus} rollout GPUs of "
+                                 f"{cluster.reserved_gpus} leave no trainer or no instance")
+            self.costs = costs = replace(costs, compute=replace(costs.compute, gpus=train))
+        rollout = policy.rollout_gpus if self.dedicated else cluster.reserved_gpus
+        self.fleet.add_reserved(max(1, rollout // costs.serving.gpus))
         self.seeding = SeedingState(window_s=policy.window_s or initial_window_s)
         self.trainer = Trainer()
         self.records: list[dict[str, Any]] = []
@@ -177,7 +189,9 @@ class Simulator:
         self.seeding.window_s, self.seeding.spot_count = window, spot_alive
         step = self.open[index]
         step.started, step.window, step.mode = self.clock.now, window, mode
-        step.reserved_free = mode == "off" and spot_alive > 0
+        # The trainer takes groups as they complete once the reserved side is free of rollout:
+        # at once when spot instances do it all, or when the rollout GPUs are not the trainer's.
+        step.reserved_free = (mode == "off" and spot_alive > 0) or self.dedicated
         step.window_over = mode == "off"
         self.step = step
         if mode != "off":
@@ -252,7 +266,8 @@ class Simulator:
         in_window = step.mode != "off" and not step.window_over
         takers = placement.takers([i for i in everyone if i["state"] == "ready"], in_window,
                                   in_window or placement.spot_alive(everyone))
-        if self.policy.staleness and (self.trainer.training or self.trainer.finishing):
+        if self.policy.staleness and not self.dedicated and (self.trainer.training
+                                                             or self.trainer.finishing):
             takers = [i for i in takers if i["kind"] != "reserved"]  # its GPUs train
         k = self.policy.staleness
         for s in rolling:  # oldest first; an instance serves a step within k versions of it
@@ -293,7 +308,10 @@ class Simulator:
         self.clock.after(0.0, self._dispatch)
 
     def _deliver(self, inst: Instance, batch: list[Response]) -> None:
-        batch = [r for r in batch if r.owner is inst and not r.done]
+        # A response taken back before its delivery and leased to the same instance again has
+        # two deliveries on their way: the second finds it there already.
+        there = {id(r) for r in inst.queue} | {id(r) for r in inst.active}
+        batch = [r for r in batch if r.owner is inst and not r.done and id(r) not in there]
         if not batch or inst.state not in ("ready", "loading"):
             return
         inst.queue.extend(batch)
@@ -330,6 +348,20 @@ class Simulator:
         if inst.held:
             self._take_back(inst, list(inst.held), flush=True)
         self.clock.after(0.0, self._dispatch)
+
+    def _on_kill(self, inst: Instance) -> None:
+        """A hard kill: the engine stops with what it generated so far and hands nothing
+        back; the manager takes its responses back when their leases expire, from their last
+        committed chunk (what was generated past it is lost)."""
+        if not inst.held:
+            return
+        self._cut(inst)
+        self.clock.after(self.costs.lease_ttl_s, partial(self._leases_expired, inst))
+
+    def _leases_expired(self, inst: Instance) -> None:
+        if inst.held:
+            self._take_back(inst, list(inst.held), flush=False)
+            self._dispatch()
 
     # --- the engine: segments of continuous batching -------------------------------------
 
@@ -475,7 +507,7 @@ class Simulator:
                        self._published)
 
     def _busy(self, seconds: float, then: Any) -> None:
-        if self.policy.staleness:  # the reserved GPUs train now: what they run goes back
+        if self.policy.staleness and not self.dedicated:  # the reserved GPUs train now
             for inst in self.fleet.instances:
                 if inst.kind == "reserved" and inst.held:
                     self._take_back(inst, list(inst.held), flush=True)
@@ -564,7 +596,7 @@ class Simulator:
 
     def gpu_seconds(self, start: float, end: float) -> tuple[float, float]:
         """(reserved, spot) GPU-seconds billed in [start, end]."""
-        gpus = self.costs.serving.gpus
+        gpus = self.cluster.spot_gpus or self.costs.serving.gpus
         return (self.cluster.reserved_gpus * (end - start),
                 self.fleet.spot_instance_s(start, end) * gpus)
 

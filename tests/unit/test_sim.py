@@ -281,3 +281,17 @@ def test_the_check_reads_the_engines_host_time_by_kind(tmp_path: Path) -> None:
     (logs / "manager.log").write_text(line.format("99.0", 999))  # not an engine
     assert measured_host(logs) == {"reserved": pytest.approx(0.003),
                                    "spot": pytest.approx(0.008)}
+
+
+def test_a_response_leased_again_before_its_delivery_joins_the_batch_once() -> None:
+    # Taken back and leased to the same instance again within the control plane's delay, a
+    # response has two deliveries on their way; running it twice would decode it at double
+    # speed and finish it twice.
+    sim = Simulator(WORK, COSTS, Cluster(reserved_gpus=1, spot_counts=[0]), RESERVED_ONLY)
+    inst = sim.fleet.instances[0]
+    r = sim._open_step(0).responses[0]
+    r.owner = inst
+    inst.held.append(r)
+    sim._deliver(inst, [r])
+    sim._deliver(inst, [r])
+    assert [x for x in [*inst.queue, *inst.active] if x is r] == [r]

@@ -17,14 +17,16 @@ CHURN = Cluster(reserved_gpus=2, spot_times=[0.0, 3.0, 9.0, 15.0],
 # Weights that take seconds to pull over a shared link: spot instances serve old versions for
 # a while after each publish.
 PULLED = replace(COSTS, weight_bytes=4e9, egress_bytes_s=4e9, peer_bytes_s=0.0)
-# RLBOOST on CHURN for 30 s, from the simulator before staleness existed (commit ad3f591):
-# each step's end and its migrations. Staleness 0 must reproduce them bit for bit; regenerate
-# them only for a deliberate change of the synchronous model.
-SYNC_ENDS = [0.7278466633953066, 3.527088747841318, 5.251295818603608, 7.3056396415338885,
-             9.639140707983307, 11.683904130071381, 13.087929952530349, 15.443373227102175,
-             16.944267566440555, 18.32145106303112, 19.949991464383537, 22.842927479730022,
-             24.29640896867247, 26.45843585637047, 28.573419604959987, 30.62822565524835]
-SYNC_MIGRATIONS = [0, 15, 0, 1, 5, 2, 0, 5, 0, 0, 0, 1, 0, 3, 1, 1]
+# RLBOOST on CHURN for 30 s, from the synchronous simulator whose lengths are keyed by the
+# step's version as the emu engine keys them (before, every step drew version 0's key, and
+# this model's ends were those of commit ad3f591): each step's end and its migrations.
+# Staleness 0 must reproduce them bit for bit; regenerate them only for a deliberate change of
+# the synchronous model.
+SYNC_ENDS = [0.7278466633953066, 3.4654435567963335, 5.019571402006119, 7.799255144199782,
+             9.230281352652355, 11.295871304921898, 13.638247528238773, 15.872773659517605,
+             17.208096417908255, 18.770495073105483, 20.53874907627339, 22.17945026382475,
+             23.716571636352928, 25.851961288228058, 27.9061941765924, 29.394390541275392]
+SYNC_MIGRATIONS = [0, 14, 0, 15, 0, 2, 3, 4, 0, 0, 0, 0, 0, 1, 1, 0]
 
 
 def stale(k: int, policy: Policy = RLBOOST) -> Policy:

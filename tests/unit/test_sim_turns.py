@@ -71,7 +71,10 @@ def test_turns_and_tool_time_lengthen_a_step() -> None:
         assert f["rollout_s"] + 1.0 < s["rollout_s"] < f["rollout_s"] + 3.0 + 1e-9
         assert s["rollout_s"] > 3.0
         assert s["step_s"] > f["step_s"] + 1.0
-        assert s["tool_calls"] == f["tool_calls"] == WORK.prompts * WORK.samples
+        # A call between the two turns of every response whose first turn left room for one.
+        calls = sum(len(make_response(replace(WORK, turns=TWO), f["step"], p, n, 0).tool_s)
+                    for p in range(WORK.prompts) for n in range(WORK.samples))
+        assert s["tool_calls"] == f["tool_calls"] == calls > WORK.prompts * WORK.samples // 2
         assert s["tokens"] == f["tokens"]
     assert slow.tokens_per_s < fast.tokens_per_s
 
@@ -123,8 +126,8 @@ def test_the_stated_distributions_hold_within_the_budget() -> None:
     model = statistics.mean(r.length - r.observed for r in responses)
     assert model == pytest.approx(work.mean_tokens, rel=0.15)
     # The turn's start keys its length, as the emu engine keys it: the first turn's is the
-    # single-turn key at the turn mean.
-    first = response_length(0, 1, 5, 2, 0, work.mean_tokens / turns.mean_turns, 1.0)
+    # single-turn key (step 1's version) at the turn mean.
+    first = response_length(0, 1, 5, 2, 1, work.mean_tokens / turns.mean_turns, 1.0)
     assert make_response(work, 1, 5, 2, 0).stops[0] == min(first, work.max_new_tokens)
     tools = [tool_seconds(turns, 0, 1, p, s, k) for p in range(64) for s in range(8)
              for k in range(3)]

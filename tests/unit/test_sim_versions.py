@@ -74,9 +74,11 @@ def test_an_unknown_version_kind_is_refused() -> None:
         Policy("x", versions="sparse")
 
 
-def test_smaller_pulls_shorten_a_churning_runs_steps() -> None:
+def test_smaller_pulls_bring_spot_tokens_sooner_in_a_churning_run() -> None:
     """Spot instances that come and go every few minutes on the paper's costs: adapter pulls
-    (over a pre-seeded base) finish each join sooner than full ones, so steps are shorter."""
+    (over a pre-seeded base) finish each join and each version sooner than full ones, so spot
+    instances generate sooner in every step. (The throughput that buys moves by under 1 % here
+    either way, seed by seed: joins are dominated by the 90 s boot.)"""
     work = Workload.reasoning(prompts=16, samples=4)
     cluster = Cluster(8, [0.0, 200.0, 400.0, 600.0], [4, 0, 4, 0], trace_length_s=800.0)
     seeded = replace(cluster, base_preseeded=True)
@@ -84,4 +86,5 @@ def test_smaller_pulls_shorten_a_churning_runs_steps() -> None:
     adapter = simulate(replace(RLBOOST, versions="adapter"), work, Costs.paper("emu-8b"),
                        seeded, 1600.0)
     assert adapter.steps != full.steps
-    assert adapter.tokens_per_s > full.tokens_per_s
+    assert adapter.mean("spot_first_s") < full.mean("spot_first_s") - 10.0
+    assert adapter.tokens_per_s == pytest.approx(full.tokens_per_s, rel=0.02)
