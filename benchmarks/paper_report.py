@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import provenance
 from sim.config import ON_DEMAND_GPU_H, SPOT_GPU_H
 from sim.outcome import Outcome
 
@@ -87,5 +88,5 @@ def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    provenance.save(fig, path, "make bench-paper")
     plt.close(fig)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from benchmarks import paper_sim_agentic as agentic
 from benchmarks import paper_sim_async as asynchronous
 from benchmarks import paper_sim_join as join
 from benchmarks import paper_sim_plots as plots
+from benchmarks import provenance
 from benchmarks.trace import load
 from rollout_svc.engines.emu_models import serving_model
 from sim import ideal
@@ -62,10 +62,13 @@ RATIOS = [0.5, 1.0, 2.0]
 # A trace with sharp capacity changes for the seeding controller: 8 -> 2 -> 12 -> 4 spot.
 SHARP = ([0.0, 2400.0, 4800.0, 7200.0], [8, 2, 12, 4])
 SWEEP = [0.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0, 600.0]
+COMMAND, COMMAND_ALONE = "make bench-paper-sim", "python -m benchmarks.paper_sim --only"
 PAGE_BEGIN, PAGE_END = "<!-- paper-sim:begin -->", "<!-- paper-sim:end -->"
 AGENTIC_BEGIN = "<!-- paper-sim-agentic:begin -->"
 AGENTIC_END = "<!-- paper-sim-agentic:end -->"
 ASYNC_BEGIN, ASYNC_END = "<!-- paper-sim-async:begin -->", "<!-- paper-sim-async:end -->"
+ROBUST_BEGIN = "<!-- paper-sim-robust:begin -->"
+ROBUST_END = "<!-- paper-sim-robust:end -->"
 JOIN_BEGIN, JOIN_END = "<!-- paper-sim-join:begin -->", "<!-- paper-sim-join:end -->"
 FIGURES = [("throughput and tokens per $", "sim-headline.png"),
            ("spot capacity", "sim-sensitivity.png"), ("ablations", "sim-ablations.png"),
@@ -74,12 +77,16 @@ FIGURES = [("throughput and tokens per $", "sim-headline.png"),
            ("response lengths", "sim-lengths.png")]
 
 
-def cluster_for(trace: str, model: str, ratio: float) -> Cluster:
-    seg = load(trace).segment(SEGMENT_START_S, SEGMENT_S)
-    per_instance = serving_model(model).gpus
+def cluster_for(trace: str, model: str, ratio: float, start: float = SEGMENT_START_S,
+                reserved: int = RESERVED_GPUS, spot_gpus: int = 0) -> Cluster:
+    """The trace's 2-hour segment from ``start``, scaled to a mean of ``ratio`` x 8 spot GPUs
+    (the headline's reserved count, whatever ``reserved`` is), ``spot_gpus`` an instance (0:
+    the model's)."""
+    seg = load(trace).segment(start, SEGMENT_S)
+    per_instance = spot_gpus or serving_model(model).gpus
     scaled = seg.compressed(1.0, ratio * RESERVED_GPUS / (per_instance * seg.mean()))
-    return Cluster(RESERVED_GPUS, list(scaled.times), list(scaled.counts),
-                   trace_length_s=scaled.length_s)
+    return Cluster(reserved, list(scaled.times), list(scaled.counts),
+                   trace_length_s=scaled.length_s, spot_gpus=spot_gpus)
 
 
 def run(policy: Policy, model: str, trace: str, ratio: float) -> Result:
@@ -115,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-page", type=Path, default=Path("docs/results-simulated.md"),
                         help="the page whose paper-sim section is regenerated")
     parser.add_argument("--steps", type=int, default=16, help="steps of the seeding comparison")
-    parser.add_argument("--only", choices=["all", "agentic", "async", "join"], default="all",
+    parser.add_argument("--only", choices=["all", "agentic", "async", "join", "robust"],
+                        default="all",
                         help="agentic: only the agentic workload's section (and its own "
                         "single-turn runs); async: only the staleness rows (and their own "
                         "synchronous runs); join: only the version-kind rows (and their own "
-                        "full-version runs)")
+                        "full-version runs); robust: only every segment, the stronger "
+                        "baselines and the sweeps")
     args = parser.parse_args(argv)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only == "join":
         write_join(args.out, args.results_page, None, started)
+        return 0
+    if args.only == "robust":
+        write_robust(args.out, args.results_page, started)
         return 0
     sections: list[str] = []
 
@@ -199,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
              for m in MODELS for t in TRACES}
     write_async(args.out, args.results_page, syncs, started)
     write_join(args.out, args.results_page, syncs, started)
+    write_robust(args.out, args.results_page, started)
     return 0
 
 
@@ -209,12 +222,10 @@ def write_agentic(out: Path, page: Path, singles: dict[str, tuple[Outcome, Outco
     clusters = {t: cluster_for(t, agentic.MODEL, 1.0) for t in TRACES}
     pairs = agentic.simulate_pairs(clusters, SEGMENT_S, singles)
     agentic.plot(pairs, out / "sim-agentic.png")
-    command = "`make bench-paper-sim` (this section alone: " \
-        "`python -m benchmarks.paper_sim --only agentic`)"
-    provenance = f"{command} at commit `{commit()}`."
+    made = provenance.line(COMMAND, f"{COMMAND_ALONE} agentic")
 
     def body(where: Path) -> str:
-        return agentic.section(pairs, provenance, figures_from(where, out))
+        return agentic.section(pairs, made, figures_from(where, out))
 
     (out / "paper-sim-agentic.md").write_text(body(out) + "\n")
     print(body(out))
@@ -231,11 +242,10 @@ def write_async(out: Path, page: Path,
     clusters = {(m, t): cluster_for(t, m, 1.0) for m in MODELS for t in TRACES}
     rows = asynchronous.simulate_rows(clusters, SEGMENT_S, syncs)
     asynchronous.plot(rows, out / "sim-async.png")
-    provenance = ("`make bench-paper-sim` (this section alone: "
-                  f"`python -m benchmarks.paper_sim --only async`) at commit `{commit()}`.")
+    made = provenance.line(COMMAND, f"{COMMAND_ALONE} async")
 
     def body(where: Path) -> str:
-        return asynchronous.section(rows, provenance, figures_from(where, out))
+        return asynchronous.section(rows, made, figures_from(where, out))
 
     (out / "paper-sim-async.md").write_text(body(out) + "\n")
     print(body(out))
@@ -251,9 +261,8 @@ def write_join(out: Path, page: Path,
     and the page's section."""
     clusters = {(m, t): cluster_for(t, m, 1.0) for m in MODELS for t in join.TRACES}
     rows = join.simulate_rows(clusters, SEGMENT_S, fulls)
-    provenance = ("`make bench-paper-sim` (this section alone: "
-                  f"`python -m benchmarks.paper_sim --only join`) at commit `{commit()}`.")
-    body = join.section(rows, provenance)
+    made = provenance.line(COMMAND, f"{COMMAND_ALONE} join")
+    body = join.section(rows, made)
     (out / "paper-sim-join.md").write_text(body + "\n")
     print(body)
     replace_section(page, body, JOIN_BEGIN, JOIN_END)
@@ -261,13 +270,35 @@ def write_join(out: Path, page: Path,
           f"({time.monotonic() - started:.0f}s in all)")
 
 
-def commit() -> str:
-    """The source's commit, ``-dirty`` when the tree has changes: the results' provenance."""
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git)"
+def write_robust(out: Path, page: Path, started: float) -> None:
+    """Every segment, the stronger baselines and the sweeps: runs, file, page section."""
+    from benchmarks import paper_sim_robust as robust  # it imports this module's helpers
+    from benchmarks import paper_sim_robust_report as report
+
+    base = robust.baseline()
+    segs = robust.segments(base)
+    pairs = robust.baselines(base)
+    sweeps = robust.sweeps(base)
+    head = pairs[0][1]  # rlboost on the headline segment
+    body = "\n\n".join([
+        "## Robustness: every trace segment, stronger baselines, sweeps (8B)",
+        f"**SIMULATION**; {provenance.line(COMMAND, f'{COMMAND_ALONE} robust')} What each "
+        "part varies, and the sources of the published lengths: `benchmarks/paper_sim_robust.py`.",
+        report.statement(segs, base, head, pairs, sweeps),
+        "### Every 2-hour segment of every trace (from 1 h in)\n\n"
+        + report.segments_table(segs, base),
+        "### Stronger baselines (p3 headline segment)\n\n" + report.baselines_table(pairs),
+        "### Spot discount (the same runs, repriced)\n\n"
+        + report.discount_table(head, segs, base),
+        "### Hard kills instead of notices\n\n" + report.sweep_table(sweeps["hard kills"]),
+        "### Spot instances on the trace's own GPU type\n\n"
+        + report.sweep_table(sweeps["spot GPU type"]),
+        "### Response lengths\n\n" + report.sweep_table(sweeps["lengths"])])
+    (out / "paper-sim-robust.md").write_text(body + "\n")
+    print(body)
+    replace_section(page, body, ROBUST_BEGIN, ROBUST_END)
+    print(f"\nwrote {out}/paper-sim-robust.md and {page}'s robustness section "
+          f"({time.monotonic() - started:.0f}s in all)")
 
 
 def loss_note(boost: Result) -> str:
@@ -309,6 +340,7 @@ def figures_from(folder: Path, out: Path) -> str:
 
 def intro(figures: str) -> str:
     return (
+        f"{provenance.line(COMMAND)}\n\n"
         "**SIMULATION** (`make bench-paper-sim`, `sim/`): the manager's own seeding and "
         "placement code on simulated time; `make bench-sim-check` compares it with the "
         "emulated services. The paper (RLBoost, NSDI 2026) reports **1.51\u20131.97\u00d7** "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import provenance
 from sim.config import (
     AGENTIC_MAX_TOOL_S,
     AGENTIC_MAX_TURNS,
@@ -175,5 +176,5 @@ def plot(pairs: list[Pair], path: Path) -> None:
     fig.suptitle("SIMULATION: agentic vs single-turn responses, 2 h of each trace",
                  fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    provenance.save(fig, path, "make bench-paper-sim")
     plt.close(fig)

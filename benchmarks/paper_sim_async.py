@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchmarks import provenance
 from sim.config import RESERVED_ONLY, RLBOOST, Cluster, Costs, Policy, Workload
 from sim.outcome import Outcome, simulate
 
@@ -144,5 +145,5 @@ def plot(rows: list[Row], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("SIMULATION: bounded staleness vs synchronous, 2 h of each trace", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    provenance.save(fig, path, "make bench-paper-sim")
     plt.close(fig)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout_svc.engines.emu_models import response_length
+from benchmarks import provenance
 from sim.config import Workload
+from sim.turns import length
 
 if TYPE_CHECKING:
     from sim.hindsight import StepCompare
@@ -27,7 +28,7 @@ def _plt() -> Any:
 
 def _save(fig: Any, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    provenance.save(fig, path, "make bench-paper-sim")
     _plt().close(fig)
 
 
@@ -148,9 +149,7 @@ def seeding(compared: list[StepCompare], path: Path) -> None:
 
 def lengths(work: Workload, path: Path) -> None:
     plt = _plt()
-    draws = [response_length(work.seed, 0, p, s, 0, work.mean_tokens, work.sigma,
-                             work.max_new_tokens)
-             for p in range(work.prompts) for s in range(work.samples)]
+    draws = [length(work, 0, p, s) for p in range(work.prompts) for s in range(work.samples)]
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.hist(draws, bins=60)
     ax.set_xlabel("response tokens")
