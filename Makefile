@@ -73,7 +73,8 @@ bench-seeding: venv
 	$(BIN)/python -m benchmarks.seeding
 
 .PHONY: bench-control-plane
-# Manager ingest vs raw NATS and the Redis-only bound; overhead at 32/128 instances (~5 min)
+# Manager ingest (live and drain) vs raw NATS and the Redis-only bound, one vs two replicas,
+# overhead at 32/128 instances (~6 min idle; 18 min measured beside two other benchmarks)
 bench-control-plane: venv
 	$(BIN)/python -m benchmarks.control_plane
 

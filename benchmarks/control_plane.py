@@ -1,23 +1,27 @@
-"""``make bench-control-plane``: what the control plane itself costs, in one run.
+"""``make bench-control-plane``: what the control plane itself costs, in one run (18 minutes on
+this 2-core machine beside two other benchmarks; about 6 alone, estimated from the ~5 before
+part 3 went from two passes to ten; the parts' times are printed at the end).
 
 1. Manager ingest, per flush interval (tokens per response per frame): a real manager on real
    NATS JetStream + Redis commits one step's token frames by its whole exactly-once path (pull
    consumer, Lua commit, acks, group and barrier events), published as ``rollout_svc`` does (one
    frame per flush with every response's new tokens) by emulated instances that
    heartbeat and hold the manager's own assignments; the tokens are the emu oracle's, checked
-   token for token. Live: first publish -> barrier; drain: manager paused (SIGSTOP) while the
-   stream fills, then resumed -> barrier (the manager alone, not the publishers). Baselines on
-   the same frames: raw nats-py publish -> subscribe, and the Redis-only bound: the same commit
-   script over the same frames back to back, in the manager's largest commits, no NATS, no
-   manager. Each of these runs three times; the median is reported.
-2. Control-plane latency at 32 and 128 instances: emulated instances that cost nothing but
-   their messages publish each frame when the emu engine's latency model says its tokens exist
-   (one frame in flight: a flush waits for the last one's ack, as ``rollout_svc`` does).
-   Overhead = assignment latency (the trainer's start -> the instance's Assign on the bus, as a
-   probe process sees it) + ack waits on the critical instance + last ack -> barrier, against
-   the modelled step time; the emulated engines' own Python cost is not in it.
-3. One vs two manager replicas: a live pass of part 1 on one, then again with a second manager
-   on the same brokers, exactly once checked the same way.
+   token for token. Live: first publish -> barrier, the publishers running meanwhile (here in
+   this process, on the same two cores as the manager, NATS and Redis; on a deployment they
+   are the rollout machines); drain: manager paused (SIGSTOP) while the stream fills, then
+   resumed -> barrier (the manager alone, not the publishers). The goal is checked on live:
+   it is what a step sees. Baselines on the same frames: raw nats-py publish -> subscribe, and
+   the Redis-only bound: the same commit script over the same frames back to back, in the
+   manager's largest commits, no NATS, no manager. Each of these runs three times (five at
+   flush 16 and 64); the median is reported, with the range.
+2. Control-plane latency at 32 and 128 instances (:mod:`benchmarks.control_plane_latency`).
+3. One vs two manager replicas: REPLICA_PASSES live passes of part 1 at the largest flush on
+   one and as many with a second manager on the same brokers, in the order one, two, two,
+   one, ... (each pair adjacent; a drift over the part weighs on both sides alike), exactly
+   once checked the same way; the second manager starts before each run of twos and stops
+   after it. Printed: the medians, their ranges, and the ratio of each two to the one beside
+   it.
 4. What a replica's ack costs (RLBOOST_REDIS_REPLICA_ACKS=1): the Redis-only bound at the
    largest flush again once a replica follows the Redis, without and with each commit batch
    waiting for it, alternately.
@@ -27,47 +31,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import json
-import os
-import secrets
 import signal
+import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from itertools import chain, zip_longest
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import redis
 
-from benchmarks.control_plane_fleet import (
-    INGEST_SPEC,
-    PUBLISHERS,
-    Frame,
-    Meta,
-    Publisher,
-    Step,
-    prompts,
+from benchmarks.control_plane_baselines import raw_pass, redis_bound, sink
+from benchmarks.control_plane_fleet import INGEST_SPEC, PUBLISHERS, Frame, Step
+from benchmarks.control_plane_latency import (
+    FLEETS,
+    LATENCY_FLUSH,
+    PER_INSTANCE,
+    latency_pass,
+    probe,
 )
 from benchmarks.control_plane_report import KINDS, report
-from manager_svc.accounting import Ledger, commit_statuses
-from manager_svc.commit_stream import CommitStream
-from manager_svc.ingest import GROUP_MAX
 from rlboost.launcher import Child, Cluster
-from rlboost.stack import Server, Stack, child_env
+from rlboost.stack import Server, Stack
 from rollout_svc.engines.emu import EmuEngine
-from shared import names
 from shared import protocol as wire
 from shared.bus import connect_nats, connect_redis
-from shared.names import Keys, parse_request_id, request_id
+from shared.names import Keys
 from shared.ports import free_port
 from shared.process import exit_on_sigterm
 
-RAW = "bench.raw"  # the baseline's subject: outside the chunk stream's
 REPEATS = 3  # passes of each kind per flush interval; the median is reported, and the range
 # Five at the intervals whose rate can meet the goal: on this 2-core VM a pass's speed swings
 # by up to ~25 % from one second to the next (the same drain took 0.38-0.64 s of the
@@ -79,10 +73,10 @@ GOAL_REPEATS = {16: 5, 64: 5}
 # rate and the bound ratio hold together at one of them (the report names which); for
 # reasoning responses of thousands of tokens, even 64 lost to a SIGKILL is under 2 %.
 FLUSHES = (4, 16, 64)
-# Part 2: instances, responses each, flush interval, max_new_tokens (kept at 512, so its
-# modelled step is as short as before: the overhead is a larger share of a short step).
-FLEETS, PER_INSTANCE, LATENCY_FLUSH, LATENCY_MAX_NEW = (32, 128), 32, 16, 512
-BEAT_WINDOW_S = 3.0  # after a latency pass's barrier: nothing but heartbeats
+# Part 3: live passes on one replica and on two, each. One pass each read 0.73-1.20x in five
+# runs of this bench: one pair is within a pass's own swing here (see GOAL_REPEATS), so the
+# ratio is printed with the spread of its pairs.
+REPLICA_PASSES = 5
 
 
 async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
@@ -125,133 +119,6 @@ async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
             "entries": sum(len(m[0]) for m in chain.from_iterable(msgs)),
             "frames": sum(map(len, msgs)),
             "bytes": sum(len(m[1]) for m in chain.from_iterable(msgs))}
-
-
-async def raw_pass(nc: Any, url: str, msgs: list[list[Frame]]) -> dict[str, Any]:
-    """Baseline: the same bytes from the same publisher tasks, raw publish -> subscribe."""
-    sink = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "benchmarks.control_plane", "--sink", url, str(sum(map(len, msgs))),
-        stdout=asyncio.subprocess.PIPE, env=child_env({}))
-    assert sink.stdout is not None
-    await asyncio.wait_for(sink.stdout.readline(), 60)  # it is subscribed
-    t0 = time.time()
-
-    async def raw(batch: list[Frame]) -> None:
-        for m in batch:
-            await nc.publish(RAW, m[1])
-    await asyncio.gather(*(raw(m) for m in msgs))
-    await nc.flush()
-    got = json.loads(await asyncio.wait_for(sink.stdout.readline(), 120))
-    await sink.wait()
-    return {"seconds": got["last"] - t0, "received": got["count"]}
-
-
-async def sink(url: str, count: int) -> None:
-    """Baseline subscriber, in its own process as the manager is: count, nothing else."""
-    nc = await nats.connect(url)
-    got, done = [0], asyncio.Event()
-
-    async def on_msg(_: Any) -> None:
-        got[0] += 1
-        if got[0] == count:
-            done.set()
-    await nc.subscribe(RAW, cb=on_msg)
-    await nc.flush()
-    print("subscribed", flush=True)
-    await asyncio.wait_for(done.wait(), 120)
-    print(json.dumps({"last": time.time(), "count": got[0]}), flush=True)
-    await nc.close()
-
-
-async def probe(url: str, count: int) -> None:
-    """Assignment probe, in a process of its own as each real instance is: when each of
-    ``count`` instances' first Assign reached the bus (wall clock), and nothing else. The
-    emulated instances see theirs later, behind the other 127 in one event loop."""
-    nc = await nats.connect(url)
-    first: dict[str, float] = {}
-    done = asyncio.Event()
-
-    async def on_msg(msg: Any) -> None:
-        iid = names.subject_instance(msg.subject)
-        if iid not in first and isinstance(wire.decode_command(msg.data), wire.Assign):
-            first[iid] = time.time()
-            if len(first) == count:
-                done.set()
-    await nc.subscribe(names.assign_subject("*"), cb=on_msg)
-    await nc.flush()
-    print("subscribed", flush=True)
-    await asyncio.wait_for(done.wait(), 120)
-    print(json.dumps(first), flush=True)
-    await nc.close()
-
-
-async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
-                      pipelined: bool = True) -> dict[str, Any]:
-    """The same frames' commit scripts back to back on a fresh step (each response leased to
-    the instance that sent it), in stream order and in the largest commits the manager makes
-    (GROUP_MAX entries), sent as ingest sends them: on a commit stream, the next commit queued
-    in Redis behind the one running (PIPELINED in flight), or with ``pipelined`` False (and
-    with replica acks, as ingest then does) one round trip at a time; arguments packed before
-    the clock starts.
-    No NATS, no manager, no MAC checks: what Redis alone allows."""
-    r = await connect_redis(url)
-    ledger = Ledger(r, lease_ttl_s=600, replica_acks=replica_acks)
-    run = f"bound-{secrets.token_hex(3)}"
-    spec = INGEST_SPEC
-    await ledger.create_step(run, 0, 0, prompts(int(spec["prompts_per_step"])),
-                             int(spec["samples_per_prompt"]), int(spec["max_new_tokens"]))
-    frames = [wire.decode(data, wire.TokenFrame) for frame in zip_longest(*msgs)
-              for _, data in (f for f in frame if f is not None)]
-    epochs: dict[str, int] = {}
-    for frame in frames:
-        # Held by names no manager knows: the manager in this stack reaps the instances of the
-        # earlier passes, and would take back whatever their names hold.
-        frame.instance_id = f"{run}-{frame.instance_id}"
-        for e in frame.entries:
-            _, _, p, s = parse_request_id(e.request_id)
-            e.request_id = request_id(run, 0, p, s)
-            if e.request_id not in epochs:
-                a = await ledger.assign(e.request_id, frame.instance_id, 1.0, 0, 2)
-                assert a is not None
-                epochs[e.request_id] = a.epoch
-            e.epoch = epochs[e.request_id]
-    batches: list[list[wire.TokenFrame]] = [[]]
-    size = 0
-    for frame in frames:
-        if size + len(frame.entries) > GROUP_MAX:
-            batches, size = [*batches, []], 0
-        batches[-1].append(frame)
-        size += len(frame.entries)
-    calls = [ledger.pack(batch) for batch in batches]
-    # This process holds every frame of the pass: a full collection of it (~80 ms) landed in
-    # one timed pass of three, and Redis waited for it, idle.
-    stream = CommitStream(r) if pipelined and CommitStream.usable(r, replica_acks) else None
-    if stream is not None:  # connected, its script loaded, before the clock starts
-        await stream.ready([call.script for call in calls[0]])
-    gc.collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        if stream is None:
-            results = [res for call in calls
-                       for res in commit_statuses(await ledger.run_replies(call))]
-        else:
-            results = [res for replies in await stream.commit_all(calls, ledger.run_replies)
-                       for res in commit_statuses(replies)]
-        seconds = time.perf_counter() - t0
-    finally:
-        gc.enable()
-    if stream is not None:
-        await stream.close()
-    # Gone again, as the manager's passes are once their run ends.
-    keys = [key async for key in r.scan_iter(match=f"*{{{run}}}*", count=1000)]
-    for i in range(0, len(keys), 1000):
-        await r.unlink(*keys[i:i + 1000])
-    await r.aclose()
-    statuses = Counter(results)
-    committed = sum(statuses[s] for s in ("ok", "final", "group", "step"))
-    return {"seconds": seconds, "all_committed": committed == len(results), "statuses": statuses,
-            "tokens": sum(e.n_tokens for f in frames for e in f.entries)}
 
 
 async def rewrite_aof(url: str) -> None:
@@ -304,11 +171,15 @@ def part_ingest(root: Path) -> dict[str, Any]:
         out: dict[str, Any] = {"ingest": {}, "latency": {}, "config": {
             "publishers": PUBLISHERS, "max_new_tokens": INGEST_SPEC["max_new_tokens"],
             "latency_flush": LATENCY_FLUSH, "per_instance": PER_INSTANCE}}
+        seconds: dict[str, float] = {}
+        out["seconds"] = seconds
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             # Latency first, on a manager nothing ran on: every earlier pass leaves 32
             # instances registered until their TTL, and each dispatch pass reads them all.
+            t0 = time.perf_counter()
             for n in FLEETS:
                 out["latency"][n] = await latency_pass(nc, http, n, manager_pid())
+            seconds["latency"], t0 = time.perf_counter() - t0, time.perf_counter()
             for flush in FLUSHES:
                 runs: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
                 for i in range(GOAL_REPEATS.get(flush, REPEATS)):
@@ -324,19 +195,12 @@ def part_ingest(root: Path) -> dict[str, Any]:
                     runs["live"].append(live)
                     runs["drain"].append(drain)
                 out["ingest"][flush] = runs
-            # One vs two replicas, back to back: the live pass on one, then a second manager
-            # joins the same brokers (a standby for ingest, which one replica at a time
-            # commits, and for dispatch; both answer the bus) and the same pass again.
-            flush = max(FLUSHES)
-            one = await manager_pass(nc, http, stack, f"one{flush}", None, flush)
-            del one["msgs"]
-            second.start()
-            cluster.children.append(second)  # stopped with the rest; not before it runs
-            cluster.wait_http(second.env["RLBOOST_MANAGER_URL"])
-            two = await manager_pass(nc, http, stack, f"two{flush}", None, flush)
-            del two["msgs"]
-            out["replicas"] = {"flush": flush, "one": one, "two": two}
+            seconds["ingest"], t0 = time.perf_counter() - t0, time.perf_counter()
+            cluster.children.append(second)  # stopped with the rest once it runs
+            out["replicas"] = await replica_passes(nc, http, stack, cluster, second)
+            seconds["replicas"], t0 = time.perf_counter() - t0, time.perf_counter()
             out["replica_acks"] = await replica_acks(stack, root, kept)
+            seconds["replica_acks"] = time.perf_counter() - t0
         await nc.close()
         return out
     second = Child("manager-1", [sys.executable, "-m", "manager_svc"],
@@ -350,6 +214,40 @@ def part_ingest(root: Path) -> dict[str, Any]:
         manager.signal(signal.SIGCONT)
         cluster.stop()
         stack.stop()
+
+
+async def replica_passes(nc: Any, http: httpx.AsyncClient, stack: Stack, cluster: Cluster,
+                         second: Child) -> dict[str, Any]:
+    """Part 3: live passes at the largest flush on one manager and on two, one, two, two,
+    one, ...: the second (a standby for ingest, which one replica at a time commits, and for
+    dispatch; both answer the bus) joins the same brokers before each run of twos and leaves,
+    stopped as a deployment stops it, after it."""
+    flush = max(FLUSHES)
+    runs: dict[str, list[dict[str, Any]]] = {"one": [], "two": []}
+    for i, which in enumerate(("OTTO" * REPLICA_PASSES)[:2 * REPLICA_PASSES]):
+        if which == "T" and not second.alive():
+            second.start()
+            cluster.wait_http(second.env["RLBOOST_MANAGER_URL"])
+        elif which == "O" and second.alive():
+            await asyncio.to_thread(stop_child, second)
+        await rewrite_aof(stack.redis.url)
+        kind = "two" if which == "T" else "one"
+        v = await manager_pass(nc, http, stack, f"{kind}{flush}-{i}", None, flush)
+        del v["msgs"]
+        runs[kind].append(v)
+    await asyncio.to_thread(stop_child, second)
+    return {"flush": flush, **runs}
+
+
+def stop_child(child: Child, grace_s: float = 15.0) -> None:
+    """SIGTERM, as Cluster.stop ends a service, and wait for it (SIGKILL past ``grace_s``)."""
+    child.signal(signal.SIGTERM)
+    if child.proc is not None:
+        try:
+            child.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            child.signal(signal.SIGKILL)
+            child.proc.wait(timeout=5)
 
 
 async def replica_acks(stack: Stack, root: Path, msgs: list[list[Frame]]
@@ -373,104 +271,6 @@ async def replica_acks(stack: Stack, root: Path, msgs: list[list[Frame]]
         replica.kill()
 
 
-# --- part 2: control-plane latency at 32 and 128 instances ---------------------------------------
-
-def flush_times(engine: EmuEngine, meta: list[Meta], lengths: dict[str, int]) -> list[float]:
-    """When each frame's tokens exist, in modelled seconds after the instance's assignment:
-    a decode step costs decode_s_base + decode_s_per_seq x live responses (its prefill is
-    noise at these prompt lengths), and a frame goes out at the step that completes it."""
-    steps = max(lengths.values())
-    live = [sum(n > s for n in lengths.values()) for s in range(steps)]
-    at, t = [], 0.0
-    cum = [t := t + engine.decode_s_base + engine.decode_s_per_seq * k for k in live]
-    for entries in meta:
-        last = max(end for _, end, _ in entries)  # the step that produced its last token
-        at.append(cum[last - 1])
-    return at
-
-
-async def paced(p: Publisher, js: Any, frames: list[Frame], at: list[float]) -> dict[str, float]:
-    """Publish each frame when the model says its tokens exist, as rollout_svc's generate loop
-    does: the engine goes on while a frame's ack is awaited, the next flush waits for it (one
-    frame in flight), and that wait delays every later frame; so does the last frame's, which
-    the barrier waits for."""
-    subject, waited, base = names.chunk_subject(p.run_id, p.iid), 0.0, p.assigned_at
-    inflight: tuple[asyncio.Future[Any], Meta] | None = None
-
-    async def settle(sent: tuple[asyncio.Future[Any], Meta]) -> None:
-        nonlocal waited
-        t0 = time.perf_counter()
-        await sent[0]
-        waited += time.perf_counter() - t0
-        for rid, end, final in sent[1]:
-            p.published[rid] = end
-            if final and rid in p.held:
-                p.finished[rid] = p.held[rid].epoch
-    for (meta, data), due in zip(frames, at, strict=True):
-        await asyncio.sleep(max(0.0, base + due + waited - time.perf_counter()))
-        if inflight is not None:
-            await settle(inflight)
-        inflight = (asyncio.ensure_future(js.publish(subject, data, timeout=30.0)), meta)
-    if inflight is not None:
-        await settle(inflight)
-    return {"waited": waited, "acked": time.perf_counter(), "modelled": at[-1]}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def latency_pass(nc: Any, http: httpx.AsyncClient, n: int, manager_pid: int
-                       ) -> dict[str, Any]:
-    """One step on ``n`` instances of PER_INSTANCE responses: assignment latency, ack waits,
-    last ack -> barrier, against the modelled step time (latency model at time scale 1).
-    Then the step's instances only beat for BEAT_WINDOW_S: the manager's CPU time a beat."""
-    engine = EmuEngine(time_scale=0.0)
-    step = Step(nc, http, f"lat{n}", n, PER_INSTANCE, LATENCY_MAX_NEW)
-    watch = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "benchmarks.control_plane", "--probe", nc.connected_url.geturl(),
-        str(n), stdout=asyncio.subprocess.PIPE, env=child_env({}))
-    assert watch.stdout is not None
-    await asyncio.wait_for(watch.stdout.readline(), 60)  # it is subscribed
-    pubs = await step.start()
-    arrived = json.loads(await asyncio.wait_for(watch.stdout.readline(), 120))
-    await watch.wait()
-    frames = [p.messages(engine, LATENCY_FLUSH) for p in pubs]
-    times = []
-    for fs in frames:
-        lengths = {rid: end for meta, _ in fs for rid, end, final in meta if final}
-        times.append(flush_times(engine, [m for m, _ in fs], lengths))
-    got = await asyncio.gather(*(paced(p, nc.jetstream(), f, t)
-                                 for p, f, t in zip(pubs, frames, times, strict=True)))
-    try:
-        t_end, done = await asyncio.wait_for(step.barrier, 120)
-    except TimeoutError:  # reported, not raised: the other figures still stand
-        await step.finish(pubs)
-        return {"stalled": True, "lost": sum(p.lost for p in pubs)}
-    beats, cpu = sum(p.beats for p in pubs), cpu_seconds(manager_pid)
-    await asyncio.sleep(BEAT_WINDOW_S)
-    beats, cpu = sum(p.beats for p in pubs) - beats, cpu_seconds(manager_pid) - cpu
-    await step.finish(pubs)
-    # Assignment latency: trainer's start -> the instance's Assign on the bus, by the probe.
-    assign = [arrived[p.iid] - step.started_wall for p in pubs]
-    seen = max(p.assigned_at - step.started for p in pubs)  # by the emulated instances
-    ideal = max(g["modelled"] for g in got)
-    # The critical instance: the one whose tokens would exist last with the control plane's
-    # delays (assignment, ack waits) and no other cost.
-    critical = max(a + g["modelled"] + g["waited"] for a, g in zip(assign, got, strict=True))
-    after = t_end - max(g["acked"] for g in got)
-    overhead = critical - ideal + after
-    return {"responses": step.total, "tokens": done.digest.tokens, "ideal": ideal,
-            "assign_max": max(assign), "assign_mean": sum(assign) / n, "assign_seen": seen,
-            "waited_max": max(g["waited"] for g in got), "barrier": after,
-            "overhead": overhead, "fraction": overhead / (ideal + overhead),
-            "frames": sum(map(len, frames)), "wall": t_end - step.started,
-            "exact": done.digest.responses == step.total,
-            "beats_per_s": beats / BEAT_WINDOW_S, "cpu_per_beat": cpu / max(beats, 1)}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sink", nargs=2, metavar=("NATS_URL", "COUNT"), help=argparse.SUPPRESS)
@@ -483,10 +283,24 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(probe(args.probe[0], int(args.probe[1])))
         return 0
     exit_on_sigterm()
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rlboost-cp-") as tmp:
-        print("manager ingest vs raw NATS vs Redis alone; control-plane latency ...", flush=True)
+        print(f"{provenance()}\nmanager ingest vs raw NATS vs Redis alone; control-plane "
+              f"latency ...", flush=True)
         out = part_ingest(Path(tmp))
-    return 0 if report(out) else 1
+    ok = report(out)
+    print(f"{time.monotonic() - started:.0f} s in all, start-up and shut-down included")
+    return 0 if ok else 1
+
+
+def provenance() -> str:
+    """The commit (``-dirty`` with changes) and command the printed figures come from."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown (no git)"
+    return f"commit {commit}; python -m benchmarks.control_plane {' '.join(sys.argv[1:])}"
 
 
 if __name__ == "__main__":
