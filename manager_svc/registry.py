@@ -194,6 +194,11 @@ class Registry:
         refused = await self._keyless("release", rel.instance_id, key)
         if refused is not None:
             return Ack(ok=False, detail=refused)
+        if rel.leaving and await self.redis.exists(Keys.instance(rel.instance_id)):
+            # It takes no more work from here. Its last beat said ready (it stops beating
+            # before it releases), so until it is forgotten below the dispatcher could lease
+            # what it hands back straight back to it, and that would wait out a lease.
+            await self.redis.hset(Keys.instance(rel.instance_id), "state", "draining")
         await self._await_commits(rel)
         revoked = foreign = 0
         for held in rel.held:

@@ -168,6 +168,33 @@ async def test_a_release_hands_back_only_the_senders_own_leases(
     assert await ledger.revoke(theirs, b.epoch)
 
 
+async def test_a_leaving_instance_reads_draining_while_it_hands_back(
+        parts: tuple[Registry, str]) -> None:
+    """What a leaving instance hands back must not be leased straight back to it: from the
+    moment its release arrives it reads draining (and takes no work), not ready as its last
+    beat said, until it is forgotten."""
+    registry, run_id = parts
+    ledger = registry.ledger
+    await registry.on_heartbeat(beat([]))
+    (mine, a), _ = await leased_to_i1_and_i2(ledger, run_id)
+    seen: list[str | None] = []
+    hand_back = ledger.hand_back
+
+    async def watched(request: str, epoch: int, instance: str) -> int:
+        seen.append(await ledger.r.hget(Keys.instance("i1"), "state"))
+        return await hand_back(request, epoch, instance)
+
+    ledger.hand_back = watched  # type: ignore[method-assign]
+    assert (await registry.on_release(Release(instance_id="i1", leaving=True, reason="preempt",
+                                              held=[Held(request_id=mine, epoch=a.epoch)]))).ok
+    assert seen == ["draining"]
+    assert not await ledger.r.exists(Keys.instance("i1"))  # then forgotten
+    # A release naming an instance the registry does not know creates no record of it.
+    assert (await registry.on_release(Release(instance_id="ghost", leaving=True,
+                                              reason="preempt", held=[]))).ok
+    assert not await ledger.r.exists(Keys.instance("ghost"))
+
+
 async def test_an_engine_that_stops_while_holding_work_is_drained_until_it_moves(
         parts: tuple[Registry, str]) -> None:
     """Beats carry the engine's decode steps: a count that stays put while the instance holds
