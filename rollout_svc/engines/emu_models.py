@@ -24,6 +24,7 @@ from shared.hardware import (
     DEVICE_SWAP_BYTES_S,
     H100_BF16_FLOPS,
     H100_HBM_BYTES_S,
+    PCIE_LOAD_BYTES_S,
     SPOT_LOAD_BYTES_S,
 )
 from shared.sampling import uniform
@@ -68,6 +69,12 @@ class ServingModel:
     def load_s(self) -> float:
         # Pull + SGLang update_weights_from_disk; each tensor-parallel rank loads its shard.
         return 2 * self.params / (self.gpus * SPOT_LOAD_BYTES_S)
+
+    @property
+    def pcie_load_s(self) -> float:
+        # The load alone, once the pull has landed the checkpoint in the page cache: what
+        # sim.config.Costs.load_s charges when the pull is modelled on its own.
+        return 2 * self.params / (self.gpus * PCIE_LOAD_BYTES_S)
 
     @property
     def swap_s(self) -> float:
