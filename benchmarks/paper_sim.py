@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                         "full-version runs); robust: only every segment, the stronger "
                         "baselines and the sweeps")
     args = parser.parse_args(argv)
+    provenance.commit()  # before any output is written: the outputs are tracked files
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.only == "agentic":
