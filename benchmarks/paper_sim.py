@@ -34,9 +34,18 @@ from benchmarks import paper_sim_agentic as agentic
 from benchmarks import paper_sim_async as asynchronous
 from benchmarks import paper_sim_join as join
 from benchmarks import paper_sim_plots as plots
+from benchmarks import paper_sim_robust as robust
+from benchmarks import paper_sim_robust_report as robust_report
 from benchmarks import provenance
-from benchmarks.trace import load
-from rollout_svc.engines.emu_models import serving_model
+from benchmarks.paper_sim_setup import (
+    RESERVED_GPUS,
+    SEGMENT_S,
+    TRACES,
+    cluster_for,
+    md_table,
+    replace_section,
+    spot_mean,
+)
 from sim import ideal
 from sim.config import (
     ABLATIONS,
@@ -55,15 +64,11 @@ from sim.hindsight import StepCompare, compare
 from sim.outcome import Outcome, Result, simulate
 
 MODELS = ["emu-8b", "emu-14b", "emu-32b"]
-TRACES = ["p3", "g4dn", "gcp"]
-SEGMENT_START_S, SEGMENT_S = 3600.0, 7200.0  # from 1 h in (past the traces' ramp-up), 2 h
-RESERVED_GPUS = 8
 RATIOS = [0.5, 1.0, 2.0]
 # A trace with sharp capacity changes for the seeding controller: 8 -> 2 -> 12 -> 4 spot.
 SHARP = ([0.0, 2400.0, 4800.0, 7200.0], [8, 2, 12, 4])
 SWEEP = [0.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0, 600.0]
 COMMAND, COMMAND_ALONE = "make bench-paper-sim", "python -m benchmarks.paper_sim --only"
-PAGE_BEGIN, PAGE_END = "<!-- paper-sim:begin -->", "<!-- paper-sim:end -->"
 AGENTIC_BEGIN = "<!-- paper-sim-agentic:begin -->"
 AGENTIC_END = "<!-- paper-sim-agentic:end -->"
 ASYNC_BEGIN, ASYNC_END = "<!-- paper-sim-async:begin -->", "<!-- paper-sim-async:end -->"
@@ -77,18 +82,6 @@ FIGURES = [("throughput and tokens per $", "sim-headline.png"),
            ("response lengths", "sim-lengths.png")]
 
 
-def cluster_for(trace: str, model: str, ratio: float, start: float = SEGMENT_START_S,
-                reserved: int = RESERVED_GPUS, spot_gpus: int = 0) -> Cluster:
-    """The trace's 2-hour segment from ``start``, scaled to a mean of ``ratio`` x 8 spot GPUs
-    (the headline's reserved count, whatever ``reserved`` is), ``spot_gpus`` an instance (0:
-    the model's)."""
-    seg = load(trace).segment(start, SEGMENT_S)
-    per_instance = spot_gpus or serving_model(model).gpus
-    scaled = seg.compressed(1.0, ratio * RESERVED_GPUS / (per_instance * seg.mean()))
-    return Cluster(reserved, list(scaled.times), list(scaled.counts),
-                   trace_length_s=scaled.length_s, spot_gpus=spot_gpus)
-
-
 def run(policy: Policy, model: str, trace: str, ratio: float) -> Result:
     work, costs = Workload.reasoning(), Costs.paper(model)
     cluster = cluster_for(trace, model, ratio)
@@ -98,17 +91,6 @@ def run(policy: Policy, model: str, trace: str, ratio: float) -> Result:
     bounds = [ideal.step_bound(work, costs, s["step"], reserved, spot).step_s
               for s in out.steps]
     return Result(model, trace, ratio, out, sum(bounds) / len(bounds), spot)
-
-
-def spot_mean(cluster: Cluster) -> float:
-    edges = [*cluster.spot_times, cluster.trace_length_s]
-    total = sum(c * (edges[i + 1] - edges[i]) for i, c in enumerate(cluster.spot_counts))
-    return total / cluster.trace_length_s
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                      *("| " + " | ".join(r) + " |" for r in rows)])
 
 
 def versus(r: Result, base: Result) -> tuple[float, float]:
@@ -273,9 +255,6 @@ def write_join(out: Path, page: Path,
 
 def write_robust(out: Path, page: Path, started: float) -> None:
     """Every segment, the stronger baselines and the sweeps: runs, file, page section."""
-    from benchmarks import paper_sim_robust as robust  # it imports this module's helpers
-    from benchmarks import paper_sim_robust_report as report
-
     base = robust.baseline()
     segs = robust.segments(base)
     pairs = robust.baselines(base)
@@ -285,16 +264,16 @@ def write_robust(out: Path, page: Path, started: float) -> None:
         "## Robustness: every trace segment, stronger baselines, sweeps (8B)",
         f"**SIMULATION**; {provenance.line(COMMAND, f'{COMMAND_ALONE} robust')} What each "
         "part varies, and the sources of the published lengths: `benchmarks/paper_sim_robust.py`.",
-        report.statement(segs, base, head, pairs, sweeps),
+        robust_report.statement(segs, base, head, pairs, sweeps),
         "### Every 2-hour segment of every trace (from 1 h in)\n\n"
-        + report.segments_table(segs, base),
-        "### Stronger baselines (p3 headline segment)\n\n" + report.baselines_table(pairs),
+        + robust_report.segments_table(segs, base),
+        "### Stronger baselines (p3 headline segment)\n\n" + robust_report.baselines_table(pairs),
         "### Spot discount (the same runs, repriced)\n\n"
-        + report.discount_table(head, segs, base),
-        "### Hard kills instead of notices\n\n" + report.sweep_table(sweeps["hard kills"]),
+        + robust_report.discount_table(head, segs, base),
+        "### Hard kills instead of notices\n\n" + robust_report.sweep_table(sweeps["hard kills"]),
         "### Spot instances on the trace's own GPU type\n\n"
-        + report.sweep_table(sweeps["spot GPU type"]),
-        "### Response lengths\n\n" + report.sweep_table(sweeps["lengths"])])
+        + robust_report.sweep_table(sweeps["spot GPU type"]),
+        "### Response lengths\n\n" + robust_report.sweep_table(sweeps["lengths"])])
     (out / "paper-sim-robust.md").write_text(body + "\n")
     print(body)
     replace_section(page, body, ROBUST_BEGIN, ROBUST_END)
@@ -360,16 +339,6 @@ def intro(figures: str) -> str:
         "- Ideal: per step the larger of the work bound and the critical-path bound "
         "(`sim/ideal.py`); a policy's fraction of ideal is ideal step time / its step time.\n\n"
         + "\n".join(f"![{alt}]({figures}{name})" for alt, name in FIGURES))
-
-
-def replace_section(path: Path, body: str, begin: str = PAGE_BEGIN,
-                    end: str = PAGE_END) -> None:
-    text = path.read_text()
-    if begin not in text or end not in text:
-        raise SystemExit(f"{path}: no {begin} ... {end} section to regenerate")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
-from benchmarks import paper_sim as ps
+from benchmarks import paper_sim_setup as ps
 from benchmarks.trace import load
 from sim import ideal
 from sim.config import (

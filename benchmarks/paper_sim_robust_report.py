@@ -6,8 +6,8 @@ spot:reserved 1 and 2.0x at 2, at least +28 % tokens per dollar at 1, at least 0
 
 from __future__ import annotations
 
-from benchmarks.paper_sim import md_table
 from benchmarks.paper_sim_robust import DISCOUNTS, Run, interval
+from benchmarks.paper_sim_setup import md_table
 from sim.config import ON_DEMAND_GPU_H
 
 GOAL_THROUGHPUT = {1.0: 1.5, 2.0: 2.0}
