@@ -133,7 +133,8 @@ bench-paper-sim: venv
 	$(BIN)/python -m benchmarks.paper_sim
 
 .PHONY: bench-trainer
-# Step time and peak memory per rank: the replicated trainer vs FSDP2, 1 and 2 ranks
+# Step time, peak and activation memory per rank at 1k-8k tokens: the replicated trainer vs
+# FSDP2 (1 and 2 ranks, and with activation checkpointing), FSDP2 hooks timed by phase (~6 min)
 bench-trainer: venv
 	$(BIN)/python -m benchmarks.trainer
 
