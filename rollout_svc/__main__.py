@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from rollout_svc.engines import create_engine
 from rollout_svc.engines.emu_models import serving_model
@@ -41,12 +43,16 @@ def build(cfg: RolloutConfig) -> list[RolloutService]:
             options["time_scale"] = c.common.emu_time_scale
             options.update(stall_after_s=c.emu_stall_after_s, slow_after_s=c.emu_slow_after_s,
                            slow_factor=c.emu_slow_factor)
-            options.update(model.engine_options())
+            options.update(model.engine_options(), true_context=c.emu_true_context,
+                           token_scale=c.common.emu_token_scale)
             if c.kind == "reserved":
                 # A reserved instance shares GPUs with the trainer that just produced the
                 # version: it swaps weights in device memory instead of pulling and loading a
                 # checkpoint like a spot instance.
                 options["load_s"] = model.swap_s
+            elif c.emu_link:
+                # The pull went over the weight service's (rate-limited) link for real.
+                options["load_s"] = model.pcie_load_s
         if c.engine == "sglang":
             options["url"], options["launch_args"] = c.sglang_url, c.sglang_args
         services.append(RolloutService(c, create_engine(c.engine, **options)))
@@ -69,14 +75,27 @@ async def serve(services: list[RolloutService]) -> None:
     await asyncio.gather(*(s.run() for s in services))
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; 0 where that cannot be read)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime, field 22
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
 def main() -> None:
     die_with_parent()
     cfg = RolloutConfig.from_env()
     setup_logging(cfg.common.log_level, f"rollout[{cfg.instance_id}]")
     logging.getLogger("rollout").info("rollout config: %s", cfg.describe())
     if cfg.engine == "emu" and cfg.kind == "spot":
-        # EMULATION of a spot VM's boot and engine start: it registers only after them.
-        time.sleep(cfg.common.emu_time_scale * cfg.common.emu_start_s)
+        # EMULATION of a spot VM's boot and engine start: it registers only after them,
+        # counted from the process's start, so the interpreter's own start-up on busy cores
+        # is part of them rather than added to them.
+        boot = cfg.common.emu_time_scale * cfg.common.emu_start_s
+        time.sleep(max(0.0, boot - process_age_s()))
     services = build(cfg)
     asyncio.run(serve(services))
     refused = next((s.refused for s in services if s.refused), None)

@@ -316,12 +316,19 @@ class RolloutService:
 
     async def _load(self, run_id: str, version: int) -> None:
         """Pull the version (verified, atomic; chunks from peers too), then swap it into the
-        engine; the peer server then offers it to instances that join later."""
+        engine; the peer server then offers it to instances that join later. (An emulated
+        reserved instance with RLBOOST_EMU_LINK on swaps it in place: :meth:`_swaps_in_place`.)"""
         previous = self.state
         self.state = "loading"
         try:
             common = self.cfg.common
             stats = PullStats()
+            if self._swaps_in_place():
+                await asyncio.to_thread(self.engine.load, None, run_id, version)
+                self.state = "draining" if self._stop.is_set() else "ready"
+                self._beat.set()
+                log.info("loaded %s v%d (swapped in place)", run_id, version)
+                return
             try:
                 path = await pull_version(common.weights_url, reveal(common.weights_read_token),
                                           run_id, version, self.weights_dir, timeout_s=30.0,
@@ -349,6 +356,12 @@ class RolloutService:
         self._beat.set()  # tell the manager at once: it dispatches only to ready instances
         log.info("loaded %s v%d", run_id, version)
         self._collect_old(run_id, version)
+
+    def _swaps_in_place(self) -> bool:
+        """An emulated reserved instance with RLBOOST_EMU_LINK on: it shares GPUs with the
+        trainer, which swaps the weights in device memory (the simulator's model), so it pulls
+        nothing; the engine's load is that swap."""
+        return self.cfg.engine == "emu" and self.cfg.kind == "reserved" and self.cfg.emu_link
 
     def _collect_old(self, run_id: str, version: int) -> None:
         root = self.weights_dir / run_id

@@ -111,6 +111,10 @@ class Common(Settings):
     emu_start_s: float = setting(
         "RLBOOST_EMU_START_S", 0.0, "emu: modelled seconds a spot process takes to start "
         "serving (VM boot + engine start: shared.hardware)", ge=0.0)
+    emu_token_scale: int = setting(
+        "RLBOOST_EMU_TOKEN_SCALE", 1, "emu: modelled tokens each emitted token stands for: the "
+        "engine's decode steps, context and lengths, and the tokens the trainer trains on "
+        "(reasoning lengths at a token rate two cores carry)", ge=1)
     expose: Literal["auto", "open", "token"] = setting(
         "RLBOOST_EXPOSE", "auto", "/metrics, /docs and /openapi.json of the manager and the "
         "weight service: open, behind the bearer token, or auto = open only on a loopback bind")
@@ -313,6 +317,15 @@ class RolloutConfig(Settings):
         "RLBOOST_EMU_SLOW_FACTOR", 1000.0, "emu: that slow-down", ge=1.0)
     emu_model: str = setting(
         "RLBOOST_EMU_MODEL", "emu-8b", "emu: serving-cost preset (rollout_svc.engines.emu_models)")
+    emu_true_context: Annotated[bool, BeforeValidator(_on_off)] = setting(
+        "RLBOOST_EMU_TRUE_CONTEXT", "off", "emu, on: each sequence's KV read is charged at its "
+        "own context (prompt + modelled position); off: at the preset's constant 4k tokens")
+    emu_link: Annotated[bool, BeforeValidator(_on_off)] = setting(
+        "RLBOOST_EMU_LINK", "off", "emu, on: weight updates as the simulator's paper regime "
+        "has them: a spot instance's pull is the weight service's real transfer (over "
+        "RLBOOST_WEIGHTS_EGRESS_BYTES_S) and its update charges only the load into HBM after "
+        "it; a reserved instance pulls nothing (it swaps the trainer's weights in device "
+        "memory). off: every instance pulls, and a spot update charges pull and load together")
 
     @field_validator("instance_id")
     @classmethod
@@ -405,6 +418,15 @@ class WeightsConfig(Settings):
     data_port: Port = setting(
         "RLBOOST_WEIGHTS_DATA_PORT", 0, "port of the sendfile download server; 0 = any free "
         "port")
+    egress_bytes_s: float = setting(
+        "RLBOOST_WEIGHTS_EGRESS_BYTES_S", 0.0, "file bytes per second the service sends, "
+        "shared by every download of both ports (one link); 0 = no limit", ge=0.0)
+    peers: Annotated[bool, BeforeValidator(_on_off)] = setting(
+        "RLBOOST_WEIGHTS_PEERS", "on", "off: no peer is listed, so every pull comes from the "
+        "service alone (over its egress)")
+    deltas: Annotated[bool, BeforeValidator(_on_off)] = setting(
+        "RLBOOST_WEIGHTS_DELTAS", "on", "off: versions are published without a delta, so a "
+        "holder of the version before pulls the next one in full")
 
     @property
     def token(self) -> SecretStr | None:

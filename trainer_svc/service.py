@@ -245,7 +245,8 @@ class TrainerService:
             try:
                 policy = await asyncio.to_thread(make_policy, spec, common.data_dir,
                                                  common.data_dir / "trainer" / run_id,
-                                                 common.emu_time_scale, common.emu_publish_s)
+                                                 common.emu_time_scale, common.emu_publish_s,
+                                                 common.emu_token_scale)
             except ValueError as exc:
                 raise RunAborted(str(exc)) from exc
             await asyncio.to_thread(workload.use_model, policy.checkpoints.base_dir,

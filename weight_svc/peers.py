@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from shared.weights.peer import peer_url_problem
-from shared.weights.range_server import RangeError, RangeServer
+from shared.weights.range_server import Link, RangeError, RangeServer
 from weight_svc.store import Store, StoreError
 
 PEER_TTL_S = 60.0
@@ -101,10 +101,11 @@ class DataPlane:
         on_served: Callable[[int], None],
         max_connections: int,
         tls: ssl.SSLContext | None = None,
+        link: Link | None = None,
     ) -> None:
         self.store = store
         self.server = RangeServer(host, port, "/v1/weights", self._resolve, tokens, on_served,
-                                  max_connections=max_connections, tls=tls)
+                                  max_connections=max_connections, tls=tls, link=link)
 
     @property
     def port(self) -> int:

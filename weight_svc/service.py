@@ -2,7 +2,8 @@
 
 Contract: :class:`WeightService` holds the store (which builds each version's delta at commit,
 counted by outcome), the metrics, the registry of peers serving a
-version, the ``sendfile`` data plane, the NATS announcer and a lock per run (a commit's
+version, the link its downloads share (``RLBOOST_WEIGHTS_EGRESS_BYTES_S``), the ``sendfile`` data
+plane, the NATS announcer and a lock per run (a commit's
 collection and a pin of the same run never interleave). It holds the tokens the data plane and
 the API's guard accept: the read token and the write token read, the write token writes.
 :meth:`WeightService.start` (sweep what a killed upload left, count the versions on disk, start
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from shared.config import WeightsConfig
 from shared.settings import reveal
+from shared.weights.range_server import Link
 from weight_svc.announce import Announcer
 from weight_svc.peers import DataPlane, PeerRegistry, bind_host
 from weight_svc.store import Store, StoreLimits
@@ -58,9 +60,11 @@ class WeightService:
         self.writers = [write] if write else []  # tokens that write
         self.peers = PeerRegistry()
         self.host = bind_host(cfg.common.weights_url)
+        # One link for both ports' downloads (RLBOOST_WEIGHTS_EGRESS_BYTES_S); None: no limit.
+        self.link = Link(cfg.egress_bytes_s) if cfg.egress_bytes_s > 0 else None
         self.data = DataPlane(self.store, self.host, cfg.data_port, self.readers,
                               self.metrics.bytes_served.inc, cfg.max_connections,
-                              cfg.common.tls.server())
+                              cfg.common.tls.server(), self.link)
         self.announcer = Announcer(cfg.common.nats_url, cfg.common.tls.client())
         self.run_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         nats_up = Gauge(

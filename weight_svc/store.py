@@ -22,7 +22,8 @@ A commit builds the version's delta from the version before when that one is pub
 the version before its rename: the version appears with its delta or without one, never
 before it. The delta is kept only when it is at most ``DELTA_MAX_FRACTION`` of the version's
 bytes; a failed build costs the delta, never the commit. ``on_delta`` hears each outcome
-(``kept``, ``too_large``, ``failed``) for the service's counter.
+(``kept``, ``too_large``, ``failed``) for the service's counter. With ``StoreLimits.deltas`` off
+no delta is built: every pull is a full one.
 
 A commit whose staged files include ``rlboost-base.json`` publishes an adapter-only version
 (:data:`~shared.weights.manifest.ADAPTER_BASE_NAME`): the reference must be well formed and
@@ -90,10 +91,12 @@ class StoreLimits:
 
     chunk_bytes: int  # the unit of download, verification and resume
     max_file_bytes: int  # a larger upload is refused with 413
+    deltas: bool = True  # build a version's delta at commit (RLBOOST_WEIGHTS_DELTAS)
 
     @classmethod
     def of(cls, cfg: WeightsConfig) -> StoreLimits:
-        return cls(chunk_bytes=cfg.chunk_bytes, max_file_bytes=cfg.max_file_bytes)
+        return cls(chunk_bytes=cfg.chunk_bytes, max_file_bytes=cfg.max_file_bytes,
+                   deltas=cfg.deltas)
 
 
 def check_ids(run_id: str, version: int | None = None, name: str | None = None) -> None:
@@ -281,8 +284,8 @@ class Store:
         for p in staging.iterdir():
             if not _model_file(p.name):  # cut-off uploads, a killed commit's delta
                 p.unlink(missing_ok=True)
-        if "adapter" in manifest:
-            pass  # small files that all change every step: a delta cannot pay off
+        if "adapter" in manifest or not self.limits.deltas:
+            pass  # small files that all change every step: a delta cannot pay off; or off
         elif (delta := self._delta(run_id, version, staging, manifest)) is not None:
             manifest["delta"] = delta
         tmp = staging / f".{MANIFEST_NAME}"

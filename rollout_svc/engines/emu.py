@@ -31,11 +31,24 @@ nothing about NATS; it's purely token id sequences.
   unchanged), and ends in EOS at its start + length - 1; so a turn's tokens and end are a pure
   function of the request and the turn's start, wherever the response moved.
 * Time: each ``step()`` sleeps ``time_scale * (decode_s_base + decode_s_per_seq * batch)`` plus
-  the prefill of requests that joined in it (continuous batching: they join at any step).
+  the prefill of requests that joined in it (continuous batching: they join at any step). With
+  ``true_context`` a sequence's KV read is charged at its own context (prompt + modelled
+  position) instead of the preset's constant :data:`~rollout_svc.engines.emu_models.CONTEXT_TOKENS`,
+  as :func:`sim.engine.step_seconds` charges it in the paper regime.
+* Token scale (``token_scale`` m > 1): every emitted token stands for m modelled tokens, so a
+  reasoning-length response (thousands of decode steps) costs the control plane a few dozen
+  tokens. The length model draws the modelled length L (its mean m times the budget's share, the
+  budget m times ``max_new_tokens``); the response has ceil(L / m) tokens and ends where L ends.
+  A ``step()`` runs up to m modelled decode steps, fewer when a running response's modelled end
+  comes first, so a slot frees at the decode step it would on the modelled GPU; each response
+  emits a token whenever its modelled progress passes a multiple of m (or its end). What a
+  resumed response re-prefills, and its context, count m modelled tokens per committed token.
 * Host time: what a busy engine's steps take beyond those sleeps (its service's loop, and
   waiting for a core when many processes share few) is measured and logged every
-  ``HOST_LOG_STEPS`` busy steps, in emulated ms (:class:`HostMeter`): how far the emulation
-  runs behind its own model (``make bench-sim-check`` prints it beside the simulator's fit).
+  ``HOST_LOG_STEPS`` busy steps, in emulated ms (:class:`~rollout_svc.engines.emu_meters.
+  HostMeter`): how far the emulation runs behind its own model. So is how long a slot that
+  frees with no work waiting stays empty until the next request comes (``RefillMeter``): the
+  control plane's round trip as a GPU would see it. ``make bench-sim-check`` charges both.
 * Faults (tests only): ``stall_after_s`` seconds after its first decode step the engine stops
   producing tokens for good (a hung GPU: its steps return nothing and ``decode_steps`` stops,
   while its process goes on heartbeating); ``slow_after_s`` seconds after it, every modelled
@@ -62,7 +75,8 @@ from rollout_svc.engines.base import (
     check_request,
     queue_or_close,
 )
-from rollout_svc.engines.emu_models import response_length
+from rollout_svc.engines.emu_meters import HostMeter, RefillMeter
+from rollout_svc.engines.emu_models import CONTEXT_TOKENS, response_length
 from shared.protocol import FinishReason
 from shared.sampling import uniform
 from shared.turns import EMU_FIRST_TOKEN, EMU_TURN_MARK
@@ -109,46 +123,9 @@ LEN_SIGMA = 1.0
 _LOGPROB_KEY = struct.Struct("<qqqqqqq")
 _LOGPROB_PERSON = b"rlboost-emu-lp"
 
-HOST_LOG_STEPS = 200
 # How long a hung engine's step() waits before it returns nothing: the service's loop calls it
 # again at once while work is queued, and this keeps that loop from spinning a core.
 STALL_POLL_S = 0.05
-
-
-@dataclass(slots=True)
-class HostMeter:
-    """Wall time between the starts of two steps of one busy stretch, less the first one's
-    modelled sleep, summed. A stretch ends when a step leaves no batch (the service stops
-    stepping until work comes: that wait, a whole training phase, is not host time); each
-    stretch is logged as it ends, and a long one every ``HOST_LOG_STEPS`` steps."""
-
-    time_scale: float
-    host_s: float = 0.0  # wall seconds since the last log line
-    steps: int = 0
-    _last: float | None = None  # start of the previous busy step
-    _slept: float = 0.0  # its modelled sleep, wall seconds
-
-    def begin(self, now: float) -> None:
-        if self._last is not None and self._slept > 0:
-            self.host_s += max(0.0, now - self._last - self._slept)
-            self.steps += 1
-            if self.steps >= HOST_LOG_STEPS:
-                self._log()
-        self._last, self._slept = now, 0.0
-
-    def slept(self, seconds: float) -> None:
-        self._slept += seconds
-
-    def idle(self) -> None:
-        """The batch ran empty: the busy stretch is over."""
-        self._last, self._slept = None, 0.0
-        self._log()
-
-    def _log(self) -> None:
-        if self.steps and self.time_scale > 0:
-            log.info("emu host time %.3f ms per decode step over %d steps",
-                     1e3 * self.host_s / self.steps / self.time_scale, self.steps)
-        self.host_s, self.steps = 0.0, 0
 
 
 @dataclass(slots=True)
@@ -156,6 +133,8 @@ class _Active:
     req: GenRequest
     position: int  # next response position to emit
     length: int  # response length the length model gives this request (EOS included)
+    progress: int  # modelled tokens generated (token_scale per emitted token)
+    end: int  # modelled position where the current turn, or the budget, ends
 
 
 class EmuEngine:
@@ -176,8 +155,11 @@ class EmuEngine:
         stall_after_s: float | None = None,
         slow_after_s: float | None = None,
         slow_factor: float = 1.0,
+        true_context: bool = False,
+        token_scale: int = 1,
     ) -> None:
-        if time_scale < 0 or max_batch < 1 or vocab_size <= _FIRST_TOKEN + 1 or len_sigma <= 0:
+        if time_scale < 0 or max_batch < 1 or vocab_size <= _FIRST_TOKEN + 1 or len_sigma <= 0 \
+                or token_scale < 1:
             raise EngineError("bad emu engine options")
         self.time_scale = time_scale
         self.prefill_s_per_token = prefill_s_per_token
@@ -192,15 +174,21 @@ class EmuEngine:
         self.stall_after_s = stall_after_s
         self.slow_after_s = slow_after_s
         self.slow_factor = slow_factor
+        self.true_context = true_context
+        self.token_scale = token_scale
         self.decode_steps = 0  # completed decode steps: the heartbeat's sign of life
+        self.modelled_s = 0.0  # modelled GPU seconds of every step so far (unscaled)
         self._serving_since: float | None = None  # monotonic time of the first decode step
         self._interrupt = threading.Event()  # set by drain(): a slowed step ends at once
+        # Set by add() and abort(): a token-scaled step may end early to take work in.
+        self._arrived = threading.Event()
         self._loaded: tuple[str, int] | None = None
         self._inbox = Inbox()
         self._queue: deque[GenRequest] = deque()  # waiting for a free batch slot
         self._active: dict[str, _Active] = {}
         self._stepping = threading.Lock()
         self.host = HostMeter(time_scale)
+        self.refill = RefillMeter(time_scale)
 
     # -- the pure functions (the oracle) ------------------------------------------------------
 
@@ -233,14 +221,20 @@ class EmuEngine:
                 return i + 1
         return 0
 
+    def modelled_length(self, req: GenRequest) -> int:
+        """The current model turn's length in modelled tokens (>= 1; EOS included): the length
+        model's draw, its mean and cap ``token_scale`` times those of emitted tokens."""
+        mean = self.mean_len if self.mean_len is not None else MEAN_LEN_FRAC * req.max_new_tokens
+        cap = None if self.max_len_cap is None else self.max_len_cap * self.token_scale
+        return response_length(
+            req.seed, req.step, req.prompt_index, req.sample_index,
+            req.weight_version + self.turn_start(req) * _TURN_KEY, mean * self.token_scale,
+            self.len_sigma, cap)
+
     def natural_length(self, req: GenRequest) -> int:
         """Where the current model turn ends (EOS included) without a budget: its start plus
-        its own length (>= 1)."""
-        mean = self.mean_len if self.mean_len is not None else MEAN_LEN_FRAC * req.max_new_tokens
-        start = self.turn_start(req)
-        return start + response_length(
-            req.seed, req.step, req.prompt_index, req.sample_index,
-            req.weight_version + start * _TURN_KEY, mean, self.len_sigma, self.max_len_cap)
+        its own length (>= 1) in emitted tokens."""
+        return self.turn_start(req) + -(-self.modelled_length(req) // self.token_scale)
 
     def event_at(self, req: GenRequest, position: int, length: int) -> TokenEvent:
         """The event at ``position`` of a response whose natural length is ``length``."""
@@ -282,9 +276,12 @@ class EmuEngine:
     def add(self, req: GenRequest) -> None:
         check_request(req, self._loaded)
         self._inbox.put(req)
+        self.refill.filled(time.monotonic())
+        self._arrived.set()
 
     def abort(self, request_id: str) -> None:
         self._inbox.abort(request_id)
+        self._arrived.set()
 
     def has_work(self) -> bool:
         busy = bool(self._active) or bool(self._queue) or bool(self._inbox.pending_ids())
@@ -301,11 +298,13 @@ class EmuEngine:
             self._active.clear()
             self._queue.clear()
             self.host.idle()
+            self.refill.reset()
         return ids
 
     def step(self) -> list[TokenEvent]:
         with self._stepping:
             self.host.begin(time.monotonic())
+            self._arrived.clear()  # what arrives from here on is in the inbox after take()
             pending, aborted = self._inbox.take()
             for request_id in aborted:
                 self._active.pop(request_id, None)
@@ -314,34 +313,112 @@ class EmuEngine:
             prefill_tokens = 0
             while self._queue and len(self._active) < self.max_batch:
                 req = self._queue.popleft()
-                prefill_tokens += len(req.prompt_token_ids) + len(req.committed_token_ids)
-                self._active[req.request_id] = _Active(
-                    req, len(req.committed_token_ids), self.natural_length(req)
-                )
+                act = self._admit(req)
+                prefill_tokens += len(req.prompt_token_ids) + act.progress
+                self._active[req.request_id] = act
             if self._active:
                 if self._stalled():
                     time.sleep(STALL_POLL_S)  # hung: nothing comes out, nothing advances
                     return []
+                # Modelled decode steps this call runs: a token's worth, or up to the first
+                # modelled end, where a slot frees.
+                decodes = min(min(a.end - a.progress for a in self._active.values()),
+                              self.token_scale)
                 slowdown = self._slowdown()
-                modelled = (self.prefill_s_per_token * prefill_tokens + self.decode_s_base
-                            + self.decode_s_per_seq * len(self._active)) * slowdown
+                prefill_s = self.prefill_s_per_token * prefill_tokens
+                modelled = (prefill_s + self._decode_seconds(decodes)) * slowdown
                 if slowdown > 1.0:
                     # Minutes a step at 10,000x: drain() cuts it short, so the process can leave.
                     self._interrupt.wait(self.time_scale * modelled)
+                elif decodes > 1:
+                    decodes = self._decode(prefill_s, decodes)
+                    modelled = prefill_s + self._decode_seconds(decodes)
                 else:
                     self._sleep(modelled)
-                self.host.slept(self.time_scale * modelled)
+                self.host.slept(self.time_scale * modelled, decodes)
+                self.modelled_s += modelled
                 self.decode_steps += 1
+                for act in self._active.values():
+                    act.progress += decodes
+            ended = 0
             for request_id, act in list(self._active.items()):
-                event = self.event_at(act.req, act.position, act.length)
-                events.append(event)
-                act.position += 1
-                if event.finished:
-                    del self._active[request_id]
+                # A token once the progress passes its last modelled position (or the end).
+                while min(self.token_scale * (act.position + 1), act.end) <= act.progress:
+                    event = self.event_at(act.req, act.position, act.length)
+                    events.append(event)
+                    act.position += 1
+                    if event.finished:
+                        del self._active[request_id]
+                        ended += 1
+                        break
+            # Slots this step freed with no work waiting for them: the control plane's to fill.
+            waiting = len(self._active) + len(self._queue) + len(self._inbox.pending_ids())
+            self.refill.freed(time.monotonic(), min(ended, max(0, self.max_batch - waiting)))
             late = self._inbox.late_aborts()
             if not self._active:
                 self.host.idle()
         return [e for e in events if e.request_id not in late]
+
+    def _admit(self, req: GenRequest) -> _Active:
+        """A request entering the batch: its progress and its turn's modelled end, both in
+        modelled tokens (each committed token counts ``token_scale``)."""
+        m, position = self.token_scale, len(req.committed_token_ids)
+        end = m * self.turn_start(req) + self.modelled_length(req)
+        if end <= m * position:  # past its length (drawn at another version): to the budget
+            end = m * req.max_new_tokens
+        return _Active(req, position, self.natural_length(req), m * position,
+                       min(end, m * req.max_new_tokens))
+
+    def _decode_seconds(self, decodes: int) -> float:
+        """``decodes`` modelled decode steps of the running batch: the weights' read each
+        step, and each sequence's KV read, at the preset's constant context or, with
+        ``true_context``, at its own (prompt + modelled position, growing a token a step).
+        Every running sequence runs all of them (a step stops at the first modelled end)."""
+        first, growth = self._decode_cost()
+        return decodes * first + growth * decodes * (decodes - 1) / 2
+
+    def _decode_cost(self) -> tuple[float, float]:
+        """The batch's first decode step, and what each further one adds (its context
+        grows a token per sequence)."""
+        if not self.true_context:
+            return self.decode_s_base + self.decode_s_per_seq * len(self._active), 0.0
+        per_token = self.decode_s_per_seq / CONTEXT_TOKENS
+        context = sum(len(a.req.prompt_token_ids) + a.progress for a in self._active.values())
+        return self.decode_s_base + per_token * context, per_token * len(self._active)
+
+    def _decode(self, prefill_s: float, decodes: int) -> int:
+        """Sleep the prefill and ``decodes`` modelled decode steps; returns how many ran. A
+        request that arrives while a slot is free (or an abort that frees one for waiting
+        work) ends them at the next decode-step boundary, where a GPU engine would take it
+        in, as :func:`sim.engine.advance` cuts a segment."""
+        if self.time_scale <= 0:
+            return decodes
+        start = time.monotonic()
+        end = start + self.time_scale * (prefill_s + self._decode_seconds(decodes))
+        while (left := end - time.monotonic()) > 0:
+            if not self._arrived.wait(left):
+                break
+            self._arrived.clear()
+            if not self._room_for_waiting():
+                continue
+            elapsed = (time.monotonic() - start) / self.time_scale - prefill_s
+            done = 1
+            while done < decodes and self._decode_seconds(done) < elapsed:
+                done += 1
+            self._sleep_until(start + self.time_scale * (prefill_s + self._decode_seconds(done)))
+            return done
+        return decodes
+
+    def _room_for_waiting(self) -> bool:
+        """Work waits (arrived, or queued here) and a slot is, or is being, freed for it."""
+        waiting = bool(self._queue) or bool(self._inbox.pending_ids())
+        running = len(self._active.keys() - self._inbox.late_aborts())
+        return waiting and running < self.max_batch
+
+    def _sleep_until(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left > 0:
+            time.sleep(left)
 
     def _serving_s(self) -> float:
         """Wall seconds since the first decode step (the clock of the fault settings)."""

@@ -15,6 +15,10 @@ bytes then go through the TLS layer rather than ``sendfile``. :func:`parse_range
 Range parser of the weight service's ports (REST and data plane): bounded, so a 4,300-digit
 range is a 416.
 
+With a :class:`Link` (the weight service's ``RLBOOST_WEIGHTS_EGRESS_BYTES_S``) the file bytes go
+out a block at a time, each block waiting its turn on the link, so every transfer through it
+shares one rate, as pulls share a NIC.
+
 Why a separate server: the kernel moves file pages to the socket with ``sendfile`` without a copy
 through Python, so one connection runs at the link's limit on a single core, where an asyncio ASGI
 stack reading and writing blocks cost several copies and far more CPU than the network (measured:
@@ -30,6 +34,7 @@ import logging
 import re
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -42,6 +47,32 @@ log = logging.getLogger(__name__)
 _RANGE_RE = re.compile(r"bytes=(\d{0,19})-(\d{0,19})")
 MAX_CONNECTIONS = 64
 _PATH_RE = re.compile(r"/([^/]{1,200})/(\d{1,10})/(files/)?([^/]{1,200})")
+
+
+class Link:
+    """A link of ``bytes_s`` shared by every transfer through it. A block is sent once the
+    link has carried every block asked for before it (first come, first served), so concurrent
+    transfers split the rate block by block; an idle link saves no credit."""
+
+    BLOCK = 16 << 10  # fine enough that transfers of a few blocks still interleave
+
+    def __init__(self, bytes_s: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if bytes_s <= 0:
+            raise ValueError(f"a link needs a rate > 0, got {bytes_s}")
+        self.bytes_s = bytes_s
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the link has carried every block asked for so far
+
+    def take(self, n: int) -> None:
+        """Wait until ``n`` bytes have had their turn on the link."""
+        with self._lock:
+            now = self._clock()
+            self._free_at = max(now, self._free_at) + n / self.bytes_s
+            wait = self._free_at - now
+        if wait > 0:
+            self._sleep(wait)
 
 
 class RangeError(Exception):
@@ -142,10 +173,24 @@ class _Handler(BaseHTTPRequestHandler):
             # Over TLS, socket.sendfile falls back to reading the file from its position,
             # which it moves only for a nonzero offset: the size probe left it at the end.
             f.seek(start)
-            sent = self.connection.sendfile(f, start, end - start)
+            sent = self._send_range(f, start, end - start)
             self.server.on_served(sent)
             if sent != end - start:  # the file shrank: the client's length check catches it
                 self.close_connection = True
+
+    def _send_range(self, f: Any, start: int, count: int) -> int:
+        link = self.server.link
+        if link is None:
+            return int(self.connection.sendfile(f, start, count))
+        sent = 0
+        while sent < count:
+            n = min(Link.BLOCK, count - sent)
+            link.take(n)
+            done = int(self.connection.sendfile(f, start + sent, n))
+            sent += done
+            if done < n:
+                break  # the file shrank
+        return sent
 
     def _reply_json(self, status: int, body: Any) -> None:
         # As Starlette writes JSON: the REST port and this one answer byte for byte alike.
@@ -185,9 +230,11 @@ class RangeServer(ThreadingHTTPServer):
         timeout_s: float = 60.0,
         max_connections: int = MAX_CONNECTIONS,
         tls: ssl.SSLContext | None = None,
+        link: Link | None = None,
     ) -> None:
         super().__init__((host, port), _Handler)
         self.tls = tls
+        self.link = link  # None: as fast as sendfile goes
         self.prefix = prefix
         self.resolver = resolver
         self.tokens = [t.encode() for t in tokens if t]  # any one is accepted; none = open

@@ -229,7 +229,7 @@ def test_create_engine_builds_emu() -> None:
 
 def test_host_meter_counts_busy_steps_beyond_their_sleep(caplog: pytest.LogCaptureFixture
                                                          ) -> None:
-    from rollout_svc.engines.emu import HOST_LOG_STEPS, HostMeter
+    from rollout_svc.engines.emu_meters import HOST_LOG_STEPS, HostMeter
 
     meter = HostMeter(time_scale=2.0)
     meter.begin(100.0)

@@ -1,8 +1,9 @@
 """Peers: rollout instances that serve a published version's files to others.
 
 Contract: ``POST`` registers ``{"url": "http://host:port"}`` for a published version (it expires
-after the registry's TTL, given in the reply); ``GET`` lists the live ones. Both take the read
-token: an instance that may download a version may serve it.
+after the registry's TTL, given in the reply); ``GET`` lists the live ones (none with
+``RLBOOST_WEIGHTS_PEERS`` off). Both take the read token: an instance that may download a version
+may serve it.
 """
 
 from __future__ import annotations
@@ -37,4 +38,6 @@ async def add_peer(run_id: str, version: int, body: PeerIn, service: Service
 @router.get("/{run_id}/{version}/peers")
 async def list_peers(run_id: str, version: int, service: Service) -> dict[str, Any]:
     check_ids(run_id, version)
-    return {"run_id": run_id, "version": version, "peers": service.peers.peers(run_id, version)}
+    # RLBOOST_WEIGHTS_PEERS off: nobody is listed, so every pull takes the service's link.
+    peers = service.peers.peers(run_id, version) if service.cfg.peers else []
+    return {"run_id": run_id, "version": version, "peers": peers}

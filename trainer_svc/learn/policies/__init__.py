@@ -47,7 +47,8 @@ __all__ = [
 
 
 def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
-                emu_time_scale: float, emu_publish_s: float = 0.0) -> Policy:
+                emu_time_scale: float, emu_publish_s: float = 0.0,
+                emu_token_scale: int = 1) -> Policy:
     """The policy a run spec asks for.
 
     An emu preset is emulated on rank 0 alone (the other ranks of a torchrun job stay idle);
@@ -55,7 +56,7 @@ def make_policy(spec: RunSpec, data_dir: Path, run_dir: Path,
     """
     name = spec.model
     if name in PRESETS:
-        return EmuPolicy(PRESETS[name], run_dir, emu_time_scale, emu_publish_s)
+        return EmuPolicy(PRESETS[name], run_dir, emu_time_scale, emu_publish_s, emu_token_scale)
     seed = spec.seed
     if name == "tiny":
         model_dir = build_tiny(data_dir, seed)

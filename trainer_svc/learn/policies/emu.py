@@ -30,10 +30,13 @@ class EmuPolicy:
     """EMULATION: waits the modelled compute time instead of running torch."""
 
     def __init__(self, preset: ComputeModel, run_dir: Path, time_scale: float,
-                 publish_s: float = 0.0) -> None:
+                 publish_s: float = 0.0, token_scale: int = 1) -> None:
         self.preset = preset
         self.time_scale = time_scale
         self.publish_s = publish_s  # modelled write + hash + upload of the real checkpoint
+        # Modelled tokens per response token (RLBOOST_EMU_TOKEN_SCALE, the emu engine's): a
+        # response of n tokens stands for about n times this many trained ones.
+        self.token_scale = token_scale
         self.checkpoints = RunCheckpoints(run_dir, run_dir)
         self.eos_id = task.EOS_ID
         self.vocab_size = EMU_VOCAB_SIZE
@@ -52,8 +55,8 @@ class EmuPolicy:
         return sum(1 for t in response if t % 2 == 0) / len(response) if response else 0.0
 
     def add_group(self, group: Group) -> None:
-        tokens = sum(len(p) + len(r) for p, r in zip(group.prompts, group.responses,
-                                                       strict=True))
+        tokens = sum(len(p) + self.token_scale * len(r)
+                     for p, r in zip(group.prompts, group.responses, strict=True))
         time.sleep(self.time_scale * tokens * self.preset.seconds_per_token)
 
     def reset(self) -> None:
