@@ -112,7 +112,7 @@ gpu-check: venv
 	scripts/gpu-check.sh $(MODEL)
 
 .PHONY: bench-sim-check
-# bench-paper's configuration on the real services (emu) and in the simulator, side by side
+# The headline regime on the real services (emu) and in the simulator, side by side (~26 min)
 bench-sim-check: venv
 	$(BIN)/python -m benchmarks.sim_check
 

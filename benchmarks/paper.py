@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from benchmarks import paper_report
+from benchmarks import paper_report, provenance
 from benchmarks.trace import Trace, TracePlayer, load
 from rlboost.launcher import Cluster
 from rlboost.stack import Stack
@@ -82,6 +82,7 @@ class Setup:
     seed: int
     publish_s: float = 0.0  # emulated: the trainer's publish of a version
     start_s: float = 0.0  # emulated: a spot instance's boot + engine start
+    steps: int = 0  # > 0: the window also ends once this many steps after step 0 finished
 
     @property
     def grace_s(self) -> float:
@@ -130,8 +131,11 @@ def run_emulated(policy: Policy, setup: Setup, root: Path
             deadline = begin + setup.window_s * setup.time_scale
             while time.time() < deadline:
                 time.sleep(0.5)
-                if client.get(f"/v1/runs/{run_id}").json()["state"] != "running":
+                run = client.get(f"/v1/runs/{run_id}").json()
+                if run["state"] != "running":
                     raise RuntimeError(f"{policy.name}: run stopped early\n{cluster_tail(cluster)}")
+                if setup.steps and run["step"] > setup.steps:  # steps 1 .. steps are done
+                    deadline = time.time()
             player.stop()
             client.post(f"/v1/runs/{run_id}/cancel")
             records = client.get(f"/v1/runs/{run_id}/steps").json()
@@ -273,6 +277,7 @@ def write_outputs(outcomes: list[Outcome], out: Path, title: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     paper_report.plot(outcomes, out / "bench-paper.png", title)
     (out / "bench-paper.md").write_text(
+        f"{provenance.line('make bench-paper')}\n\n"
         f"{title}\n\n{paper_report.render(rows, markdown=True)}\n\nprices per GPU-hour: "
         f"on-demand ${prices.on_demand_gpu_h:.2f}, spot ${prices.spot_gpu_h:.2f}\n")
     (out / "bench-paper-steps.json").write_text(json.dumps(
