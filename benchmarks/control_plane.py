@@ -53,6 +53,7 @@ from benchmarks.control_plane_latency import (
     probe,
 )
 from benchmarks.control_plane_report import KINDS, report
+from benchmarks.provenance import printed as provenance_of
 from rlboost.launcher import Child, Cluster
 from rlboost.stack import Server, Stack
 from rollout_svc.engines.emu import EmuEngine
@@ -295,12 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def provenance() -> str:
     """The commit (``-dirty`` with changes) and command the printed figures come from."""
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown (no git)"
-    return f"commit {commit}; python -m benchmarks.control_plane {' '.join(sys.argv[1:])}"
+    return provenance_of("benchmarks.control_plane", sys.argv[1:])
 
 
 if __name__ == "__main__":

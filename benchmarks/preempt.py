@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +35,7 @@ from typing import Any
 import httpx
 
 from benchmarks.preempt_watch import Preemption, Watch, preemptions
+from benchmarks.provenance import printed as provenance_of
 from rlboost.launcher import Cluster
 from rlboost.stack import Stack
 from rollout_svc.engines.emu_models import serving_model
@@ -208,12 +208,8 @@ def ratio(request: dict[str, float], token: dict[str, float], key: str) -> str:
 
 def provenance(args: list[str]) -> str:
     """The commit (``-dirty`` with changes) and command the printed figures come from."""
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown (no git)"
-    return f"commit {commit}; python -m benchmarks.preempt {' '.join(args)}"
+    return provenance_of("benchmarks.preempt", args)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

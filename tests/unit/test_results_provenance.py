@@ -28,7 +28,8 @@ SIM_INPUTS = ["sim", "manager_svc/seeding.py", "manager_svc/placement.py",
               "benchmarks/paper_sim_agentic.py",
               "benchmarks/paper_sim_async.py", "benchmarks/paper_sim_join.py",
               "benchmarks/paper_sim_plots.py", "benchmarks/paper_sim_robust.py",
-              "benchmarks/paper_sim_robust_report.py", "benchmarks/provenance.py"]
+              "benchmarks/paper_sim_robust_report.py"]
+# (benchmarks/provenance.py writes the provenance line itself and decides no figure.)
 SECTION = re.compile(r"<!-- (paper-sim[a-z-]*):begin -->(.*?)<!-- \1:end -->", re.S)
 
 
@@ -104,7 +105,8 @@ def test_simulated_results_are_newer_than_what_decides_them(history: None) -> No
 
 
 def test_the_png_reader_finds_a_source_chunk(tmp_path: Path) -> None:
-    matplotlib = pytest.importorskip("matplotlib", reason="matplotlib draws the figures")
+    import matplotlib  # the dev extra installs it: the figures' own dependency
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
