@@ -39,7 +39,7 @@ from redis.asyncio.cluster import RedisCluster
 from shared import names
 from shared.errors import PeerError, PeerTimeout, ProtocolError
 from shared.protocol import Ack, decode, encode
-from shared.settings import mask_url
+from shared.settings import mask_url, split_urls
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -65,15 +65,17 @@ async def connect_nats(url: str, name: str, deadline_s: float = 30.0,
         options.update(tls=tls, tls_handshake_first=True)
     if inbox_prefix is not None:
         options["inbox_prefix"] = inbox_prefix
+    servers = split_urls(url)  # every node of a cluster, or one server
     if nkey_seed is not None:
-        url, secret = split_credentials(url)
+        split = [split_credentials(one) for one in servers]
+        servers = [one for one, _ in split]
         options["nkeys_seed_str"] = nkey_seed
-        if secret is not None:
+        if (secret := next((s for _, s in split if s is not None), None)) is not None:
             options["token"] = secret
     while True:
         try:
             return await nats.connect(
-                url,
+                servers,
                 name=name,
                 **options,
                 connect_timeout=2,

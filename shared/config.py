@@ -42,7 +42,7 @@ from shared.tls import Tls
 
 Engine = Literal["torch", "sglang", "emu"]
 ENGINES: tuple[Engine, ...] = ("torch", "sglang", "emu")
-NatsUrl = Annotated[str, UrlOf(("nats", "tls"))]
+NatsUrl = Annotated[str, UrlOf(("nats", "tls"), many=True)]
 RedisUrl = Annotated[str, UrlOf(("redis", "rediss"))]
 HttpUrl = Annotated[str, UrlOf(("http", "https"))]
 Port = Annotated[int, Field(ge=0, le=65535)]  # 0 = any free port
@@ -69,7 +69,9 @@ def _shell_words(value: Any) -> Any:
 class Common(Settings):
     """What every service reads: where the others are, credentials, data, logs, metrics."""
 
-    nats_url: NatsUrl = setting("RLBOOST_NATS_URL", "nats://127.0.0.1:4222", "the NATS server")
+    nats_url: NatsUrl = setting(
+        "RLBOOST_NATS_URL", "nats://127.0.0.1:4222", "the NATS server; several, comma-separated, "
+        "for the nodes of a cluster (a client connects to any that answers)")
     redis_url: RedisUrl = setting(
         "RLBOOST_REDIS_URL", "redis://127.0.0.1:6379/0", "the Redis server (and database)")
     manager_url: HttpUrl = setting(

@@ -59,12 +59,29 @@ def env_names(field: FieldInfo) -> tuple[str, ...]:
     return ()
 
 
+def split_urls(value: str) -> list[str]:
+    """The URLs of a comma-separated list (RLBOOST_NATS_URL may name every node of a cluster).
+    A comma splits only where a URL starts after it (``scheme://``), so one inside a password
+    stays in its URL."""
+    urls: list[str] = []
+    for part in value.split(","):
+        if urls and "://" not in part.strip():
+            urls[-1] += "," + part
+        else:
+            urls.append(part.strip())
+    return urls
+
+
 def mask_url(url: str) -> str:
-    """``url`` with the password in its user info replaced by ``***``. A user name alone is
-    masked whole: NATS carries a bare token there. Anything that is not a URL is left as it is;
-    a URL too malformed to split is masked whole rather than risk printing it."""
+    """``url`` with the password in its user info replaced by ``***`` (in each URL of a
+    comma-separated list). A user name alone is masked whole: NATS carries a bare token there.
+    Anything that is not a URL is left as it is; a URL too malformed to split is masked whole
+    rather than risk printing it."""
     if "://" not in url or "@" not in url:
         return url
+    many = split_urls(url)
+    if len(many) > 1:
+        return ",".join(mask_url(one) for one in many)
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -90,9 +107,11 @@ def reveal(secret: SecretStr | None) -> str | None:
 
 @dataclass(frozen=True)
 class UrlOf:
-    """Field metadata: the value is a URL with a host and one of ``schemes``."""
+    """Field metadata: the value is a URL with a host and one of ``schemes`` (``many``: or a
+    comma-separated list of such, as a client of a cluster is given every node)."""
 
     schemes: tuple[str, ...]
+    many: bool = False
 
     def __get_pydantic_core_schema__(
         self, source: Any, handler: GetCoreSchemaHandler
@@ -100,13 +119,18 @@ class UrlOf:
         return core_schema.no_info_after_validator_function(self.check, handler(source))
 
     def check(self, value: str) -> str:
-        try:
-            parts = urlsplit(value)
-            ok = parts.scheme in self.schemes and bool(parts.hostname)
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"expected a {'/'.join(self.schemes)} URL, got {mask_url(value)!r}")
+        for one in split_urls(value) if self.many else [value]:
+            try:
+                parts = urlsplit(one)
+                # .port raises on a port that is no number ("4222," of a stray comma)
+                ok = parts.scheme in self.schemes and bool(parts.hostname) and (
+                    parts.port is None or parts.port > 0)
+            except ValueError:
+                ok = False
+            if not ok:
+                what = f"a {'/'.join(self.schemes)} URL" + (" (or a comma-separated list)"
+                                                            if self.many else "")
+                raise ValueError(f"expected {what}, got {mask_url(value)!r}")
         return value
 
 

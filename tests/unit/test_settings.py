@@ -23,7 +23,7 @@ from shared.config import (
 )
 from shared.errors import ConfigError
 from shared.identity import new_account_seed, new_user_seed
-from shared.settings import PREFIX, env_names, mask_url, reveal
+from shared.settings import PREFIX, env_names, mask_url, reveal, split_urls
 
 SETTINGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 NATS = "nats://manager:n4ts-pw@127.0.0.1:4222"
@@ -174,6 +174,20 @@ def test_describe_and_repr_mask_every_credential() -> None:
     ("http://[::1]:80", "http://[::1]:80"),
     ("http://u:pw@[::1:80", "***"),  # too malformed to split: hide all of it
     ("not a url", "not a url"),
+    # Every node of a cluster, each masked; a comma inside a password stays in its URL.
+    ("nats://u:pw@a:1,nats://u:p,w@b:2", "nats://u:***@a:1,nats://u:***@b:2"),
 ])
 def test_mask_url(url: str, shown: str) -> None:
     assert mask_url(url) == shown
+
+
+def test_nats_url_takes_every_node_of_a_cluster() -> None:
+    many = "nats://127.0.0.1:4222,tls://u:p,w@10.0.0.2:4222"
+    assert Common.from_env({"RLBOOST_NATS_URL": many}).nats_url == many
+    assert split_urls(many) == ["nats://127.0.0.1:4222", "tls://u:p,w@10.0.0.2:4222"]
+    for bad in ("nats://a:1,http://b:2", "nats://a:1,,nats://b:2", "nats://a:1,"):
+        with pytest.raises(ConfigError, match="comma-separated"):
+            Common.from_env({"RLBOOST_NATS_URL": bad})
+    # Redis takes one URL: a client finds a cluster's other nodes from it.
+    with pytest.raises(ConfigError, match="redis"):
+        Common.from_env({"RLBOOST_REDIS_URL": "http://a:1"})
