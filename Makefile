@@ -49,6 +49,18 @@ test: lint pytest
 test-fast: venv $(BIN)/.verl
 	$(PYTEST) tests/unit tests/integration
 
+.PHONY: run-ha test-ha
+# The same on clustered brokers (rlboost.ha_stack): a 3-node NATS JetStream cluster with the
+# chunk stream at R3, and a Redis Cluster of 3 primaries with a replica each, from the venv's
+# binaries. run-ha: `make run` on them; test-ha: the system tier with every test's brokers
+# clustered (RLBOOST_TEST_BROKERS=ha), outside CI, which runs the clustered fault campaign
+# (tests/system/test_ha_faults.py) and the Redis Cluster tests on their own.
+run-ha: venv
+	$(BIN)/rlboost up --ha --seed $(SEED) --steps $(STEPS)
+
+test-ha: venv $(BIN)/.verl
+	RLBOOST_TEST_BROKERS=ha $(PYTEST) tests/system
+
 clean:
 	rm -rf .rlboost .mypy_cache .ruff_cache
 

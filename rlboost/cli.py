@@ -113,7 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     root = Path(args.root).resolve()
     cluster = Cluster(root, spot=args.spot, reserved=args.reserved, engine=args.engine,
-                      trainer_ranks=args.trainer_ranks, managers=args.managers)
+                      trainer_ranks=args.trainer_ranks, managers=args.managers, ha=args.ha)
     print(f"rlboost: starting the embedded stack under {root} (logs in {root / 'logs'})",
           flush=True)
     try:
@@ -268,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--managers", type=int, default=1,
                     help="manager replicas (one dispatches and one ingests at a time; any may "
                     "die); the first serves RLBOOST_MANAGER_URL, the others free ports")
+    up.add_argument("--ha", action="store_true",
+                    help="clustered brokers: a 3-node NATS JetStream cluster (the chunk stream "
+                    "in 3 copies) and a Redis Cluster of 3 primaries with a replica each, any one "
+                    "of which may die (docs/high-availability.md)")
     up.add_argument("--spec", help="run spec file (YAML or JSON)")
     up.add_argument("--set", action="append", metavar="KEY=VALUE", help="one run spec field")
     up.add_argument("--root", default=".rlboost")

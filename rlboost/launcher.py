@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlboost.ha_stack import HaStack
 from rlboost.stack import Stack, child_env
 from shared.ports import free_port, wait_port
 
@@ -85,7 +86,11 @@ class Cluster:
     manager_urls: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     base_env: dict[str, str] | None = None  # default: the RLBOOST_* variables of this process
-    stack: Stack | None = None
+    # No broker given (RLBOOST_NATS_URL / RLBOOST_REDIS_URL unset): the embedded ones, one
+    # process each, or with ``ha`` the clustered ones (rlboost.ha_stack: 3 NATS nodes, 3 Redis
+    # shards each with a replica).
+    ha: bool = False
+    stack: Stack | HaStack | None = None
     # Per role (manager, trainer, weights, rollout), what its environment changes: each
     # service's own NATS login on locked brokers (Stack.role_env).
     role_env: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -102,7 +107,8 @@ class Cluster:
             k: v for k, v in os.environ.items() if k.startswith("RLBOOST_")}
         env.setdefault("RLBOOST_DATA_DIR", str(self.root / "data"))
         if not env.get("RLBOOST_NATS_URL") or not env.get("RLBOOST_REDIS_URL"):
-            self.stack = Stack.create(self.root / "brokers")
+            self.stack = (HaStack.create(self.root / "brokers") if self.ha
+                          else Stack.create(self.root / "brokers"))
             self.stack.start()
             for key, value in self.stack.env().items():
                 env.setdefault(key, value)

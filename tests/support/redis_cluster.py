@@ -1,8 +1,8 @@
 """A real Redis Cluster on loopback, and an audit of the slots each script reaches.
 
-:class:`RedisClusterNodes` starts ``redis-server`` processes (the venv's binary, as every other
-test) with ``cluster-enabled``, splits the 16,384 slots between them and joins them, as
-``redis-cli --cluster create`` would with no replicas. :class:`SlotAudit` watches every node
+:class:`RedisClusterNodes` (:mod:`rlboost.ha_stack`) starts ``redis-server`` processes (the
+venv's binary, as every other test) with ``cluster-enabled``, splits the 16,384 slots between
+them and joins them, as ``redis-cli --cluster create`` would. :class:`SlotAudit` watches every node
 with MONITOR, which shows each command a script runs (``[0 lua]``) right beside the script's
 own call: the commands of one script execution are one unbroken run of such lines (a script
 is atomic), and the audit asks the node which arguments of each command are keys (COMMAND
@@ -17,20 +17,16 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
-import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis
 from redis.crc import key_slot
 
-from rlboost.stack import server_binary
-from shared.ports import free_port, wait_port
+from rlboost.ha_stack import RedisClusterNodes
 
-SLOTS = 16384
-BUS_OFFSET = 10000  # a node's cluster bus listens on its port + 10000
+__all__ = ["RedisClusterNodes", "SlotAudit"]
+
 _ARG = re.compile(rb'"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(rb"\\(x[0-9a-fA-F]{2}|.)")
 _ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"a": b"\a", b"b": b"\b"}
@@ -44,136 +40,6 @@ def _unescape(raw: bytes) -> bytes:
         return _ESCAPES.get(code, code)
 
     return _ESCAPE.sub(one, raw)
-
-
-def cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free and valid too."""
-    while True:
-        port = free_port()
-        if port + BUS_OFFSET > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + BUS_OFFSET))
-            except OSError:
-                continue
-        return port
-
-
-@dataclass
-class RedisClusterNodes:
-    """``size`` primaries sharing the slots, each with ``replicas`` replicas (``ports``: the
-    primaries' first, then each primary's replicas in order)."""
-
-    root: Path
-    size: int = 3
-    replicas: int = 0
-    ports: list[int] = field(default_factory=list)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def argv(self, port: int) -> list[str]:
-        return [server_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-                "--dir", str(self.root / f"redis-{port}"), "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
-                "--cluster-replica-validity-factor", "0", "--appendonly", "yes",
-                "--appendfsync", "always", "--save", "", "--protected-mode", "no"]
-
-    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
-        (self.root / f"redis-{port}").mkdir(parents=True, exist_ok=True)
-        with (self.root / f"redis-{port}.log").open("ab") as log:
-            return subprocess.Popen(self.argv(port), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-
-    def restart(self, port: int) -> None:
-        """Start the node of ``port`` again, dead or not: it rejoins from its nodes.conf
-        (a primary that was failed over comes back as its successor's replica)."""
-        i = self.ports.index(port)
-        with contextlib.suppress(Exception):
-            self.procs[i].kill()
-            self.procs[i].wait(timeout=10)
-        self.procs[i] = self._spawn(port)
-        wait_port(port)
-
-    @property
-    def url(self) -> str:
-        """Any one node: clients find the others (RLBOOST_REDIS_URL names just this one)."""
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
-
-    def client(self, port: int) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=port, decode_responses=True)
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        self.ports = [cluster_port() for _ in range(self.size * (1 + self.replicas))]
-        self.procs = [self._spawn(port) for port in self.ports]
-        for port in self.ports:
-            wait_port(port)
-        share = SLOTS // self.size
-        for i, port in enumerate(self.ports[:self.size]):
-            node = self.client(port)
-            last = SLOTS - 1 if i == self.size - 1 else (i + 1) * share - 1
-            node.execute_command("CLUSTER ADDSLOTS", *range(i * share, last + 1))
-            node.execute_command("CLUSTER SET-CONFIG-EPOCH", i + 1)
-        for port in self.ports[1:]:
-            self.client(port).execute_command("CLUSTER MEET", "127.0.0.1", self.ports[0])
-        end = time.monotonic() + timeout_s
-        replicating = False
-        while time.monotonic() < end:
-            states = [self.client(p).cluster("INFO") for p in self.ports]
-            if all(s["cluster_state"] == "ok" and int(s["cluster_known_nodes"]) == len(self.ports)
-                   for s in states):
-                if replicating or not self.replicas:
-                    if self._replicas_synced():
-                        return
-                else:
-                    self._replicate()
-                    replicating = True
-            time.sleep(0.2)
-        raise TimeoutError(f"the Redis cluster did not form in {timeout_s}s: {states}")
-
-    def _replicate(self) -> None:
-        for i in range(self.size):
-            primary = self.client(self.ports[i]).execute_command("CLUSTER MYID")
-            for r in range(self.replicas):
-                port = self.ports[self.size + i * self.replicas + r]
-                self.client(port).execute_command("CLUSTER REPLICATE", primary)
-
-    def _replicas_synced(self) -> bool:
-        return all(self.client(p).info("replication").get("master_link_status") == "up"
-                   for p in self.ports[self.size:])
-
-    def primary_of(self, key: str) -> int:
-        """The port of the node serving ``key``'s slot now (after any failover)."""
-        slot = key_slot(key.encode())
-        for port in self.ports:
-            with contextlib.suppress(redis.RedisError):
-                for lo, hi, primary, *_ in self.client(port).execute_command("CLUSTER SLOTS"):
-                    if lo <= slot <= hi:
-                        return int(primary[1])
-        raise LookupError(f"no live node knows slot {slot}")
-
-    def node_of(self, key: str) -> int:
-        """The port of the node serving ``key``'s slot."""
-        slot = key_slot(key.encode())
-        share = SLOTS // self.size
-        return self.ports[min(slot // share, self.size - 1)]
-
-    def __enter__(self) -> RedisClusterNodes:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(Exception):
-                proc.kill()
-                proc.wait(timeout=10)
-        self.procs.clear()
 
 
 @dataclass
@@ -231,6 +97,17 @@ class SlotAudit:
                     run = []
             if run:
                 found.append((port, run))
+        return found
+
+    def evalshas(self) -> set[str]:
+        """The SHA1 of every script a client ran (EVALSHA) on any node."""
+        found: set[str] = set()
+        for lines in self.lines.values():
+            for line in lines:
+                if b'"EVALSHA"' in line.upper():
+                    args = _ARG.findall(line)
+                    if len(args) > 1:
+                        found.add(args[1].decode().lower())
         return found
 
     def violations(self) -> tuple[int, int, list[tuple[int, set[int], list[list[bytes]]]]]:
