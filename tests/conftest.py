@@ -15,21 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from rlboost.ha_stack import HaStack
 from rlboost.stack import Stack
+from tests.support.cluster import HA, running
 from tests.support.metadata import Handler, Metadata
 
 
-def _running(stack: Stack) -> Iterator[Stack]:
-    stack.start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
-
-
 @pytest.fixture
-def brokers(tmp_path: Path) -> Iterator[Stack]:
-    yield from _running(Stack.create(tmp_path / "brokers"))
+def brokers(tmp_path: Path) -> Iterator[Stack | HaStack]:
+    """The embedded brokers; with RLBOOST_TEST_BROKERS=ha (make test-ha) the clustered ones."""
+    if HA:
+        yield from running(HaStack.create(tmp_path / "brokers"))
+    else:
+        yield from running(Stack.create(tmp_path / "brokers"))
 
 
 @pytest.fixture
@@ -37,7 +35,7 @@ def locked(tmp_path: Path) -> Iterator[Stack]:
     """nats-server from the shipped compose/nats.conf (its roles' credentials in the server's
     environment, as compose passes them, rollout logins through the manager's auth callout),
     Redis with a password."""
-    yield from _running(Stack.create(tmp_path / "locked", locked=True))
+    yield from running(Stack.create(tmp_path / "locked", locked=True))
 
 
 @pytest.fixture

@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
+from rlboost.ha_stack import HaStack
 from rlboost.launcher import Cluster
 from rlboost.stack import Stack
 from shared.ports import free_port
 
+# RLBOOST_TEST_BROKERS=ha (make test-ha): the ``brokers`` fixture is the clustered stack (3 NATS
+# nodes, 3 Redis shards with a replica each: rlboost.ha_stack), to run the tiers against it.
+HA = os.environ.get("RLBOOST_TEST_BROKERS", "") == "ha"
 
-def start_cluster(root: Path, stack: Stack, env: dict[str, str] | None = None,
+
+S = TypeVar("S", Stack, HaStack)
+
+
+def running(stack: S) -> Iterator[S]:
+    """A fixture's body: ``stack`` started, yielded, and stopped however the test ends."""
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def start_cluster(root: Path, stack: Stack | HaStack, env: dict[str, str] | None = None,
                   **kwargs: Any) -> Cluster:
     """The manager, weight service, trainer and rollout instances as real processes."""
     # A free port of its own: the launcher prefers 8000 when it looks free, and every test

@@ -84,6 +84,20 @@ def oracle_logprobs(spec: dict[str, Any], sample: dict[str, Any], step: int) -> 
         EmuEngine.logprob_at(req, i, t) for i, t in enumerate(sample["response_token_ids"])]))
 
 
+def assert_equals_clean(client: httpx.Client, run_id: str, spec: dict[str, Any],
+                        clean: dict[int, list[dict[str, Any]]]) -> None:
+    """Invariants 1-3 for a faulted run, and invariant 5: every sample equal, token for token,
+    to the fault-free run's (``clean``, by step) and to the engine's oracle, log-probs too."""
+    for step, samples in check_run(client, run_id, spec, REWARD).items():
+        reference = {(s["prompt_index"], s["sample_index"]): s for s in clean[step]}
+        for s in samples:
+            tokens = s["response_token_ids"]
+            assert tokens == reference[(s["prompt_index"], s["sample_index"])][
+                "response_token_ids"]
+            assert tokens == oracle(spec, s, step)
+            assert s["behaviour_logprobs"] == oracle_logprobs(spec, s, step)
+
+
 # A link heal must see the run move again within this: a lease expires, then its work is
 # dispatched again (seconds at most) or its instance hands it back within its grace period.
 STALL_BOUND_S = float(FAST["RLBOOST_LEASE_TTL_S"]) + float(FAST["RLBOOST_GRACE_S"])
@@ -200,15 +214,7 @@ def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack,
             final = wait_run(client, faulted_id, 120, cluster)
             assert final["state"] == "succeeded", final
             ended[faulted_id] = final["updated_at"]
-            faulted = check_run(client, faulted_id, SPEC, REWARD)
-            for step, samples in faulted.items():
-                reference = {(s["prompt_index"], s["sample_index"]): s for s in clean[step]}
-                for s in samples:
-                    tokens = s["response_token_ids"]
-                    assert tokens == reference[(s["prompt_index"], s["sample_index"])][
-                        "response_token_ids"]
-                    assert tokens == oracle(SPEC, s, step)
-                    assert s["behaviour_logprobs"] == oracle_logprobs(SPEC, s, step)
+            assert_equals_clean(client, faulted_id, SPEC, clean)
             for record in step_records(client, faulted_id):
                 totals.update({k: record[k] for k in (
                     "migrations", "preemptions", "stale_chunks_rejected", "tokens_regenerated",
