@@ -20,7 +20,7 @@ from nats.aio.client import Client
 
 from shared.names import WEIGHTS_ANNOUNCE
 from shared.protocol import WeightsAnnounce, encode
-from shared.settings import mask_url
+from shared.settings import mask_url, split_urls
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Announcer:
     async def _connect(self) -> None:
         try:
             self._nc = await nats.connect(
-                servers=[self._url],
+                servers=split_urls(self._url),  # every node of a cluster, or one server
                 name="rlboost-weight-svc",
                 connect_timeout=CONNECT_TIMEOUT_S,
                 allow_reconnect=True,
