@@ -74,6 +74,16 @@ def _stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGKILL) -> bo
     return True
 
 
+def redis_client(url: str) -> redis.Redis | redis.RedisCluster:
+    """A blocking client of the Redis at ``url``: of its whole cluster where that server is a
+    node of one (as shared.bus.connect_redis decides for the services)."""
+    one = redis.Redis.from_url(url, decode_responses=True)
+    if int(one.info("cluster").get("cluster_enabled", 0)) != 1:
+        return one
+    one.close()
+    return redis.RedisCluster.from_url(url, decode_responses=True)
+
+
 @dataclass
 class NatsCluster:
     """``size`` JetStream servers routed to one another (``nats``: their client ports)."""
@@ -280,13 +290,21 @@ class HaStack:
         return cls(NatsCluster(root / "nats", nats_nodes),
                    RedisClusterNodes(root / "redis", shards, replicas))
 
-    def start(self) -> None:
-        try:
-            self.nats.start()
-            self.redis.start()
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, attempts: int = 3) -> None:
+        """Start both clusters; again on fresh ports if one fails to form (a free port can be
+        taken by another process between its choice and the server's bind)."""
+        for attempt in range(attempts):
+            try:
+                self.nats.start()
+                self.redis.start()
+                return
+            except (redis.RedisError, TimeoutError, OSError):
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
 
     def stop(self) -> None:
         self.nats.stop()

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from manager_svc.crash import POINTS
 from manager_svc.dispatcher import HANDOFF_FLUSH_S
+from rlboost.ha_stack import redis_client
 from rlboost.launcher import Cluster
 from rlboost.stack import Stack
 from shared.names import Keys
@@ -125,7 +125,7 @@ def test_manager_killed_inside_step_creation_and_handoff(cluster: Cluster, broke
         for step, samples in by_step.items():
             for s in samples:
                 assert s["response_token_ids"] == oracle(SPEC, s, step)
-    r = redis.Redis.from_url(brokers.env()["RLBOOST_REDIS_URL"], decode_responses=True)
+    r = redis_client(brokers.env()["RLBOOST_REDIS_URL"])
     try:
         steps = [r.hgetall(Keys.step(run_id, step))
                  for step in range(SPEC["steps"])]  # type: ignore[call-overload]

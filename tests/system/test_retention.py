@@ -17,6 +17,7 @@ import httpx
 import pytest
 import redis
 
+from rlboost.ha_stack import redis_client
 from rlboost.launcher import Cluster
 from rlboost.stack import Stack
 from tests.support.cluster import start_cluster, wait_run
@@ -41,7 +42,7 @@ def cluster(brokers: Stack, tmp_path: Path) -> Iterator[Cluster]:
         c.stop()
 
 
-def run_keys(r: redis.Redis, run_id: str) -> list[str]:
+def run_keys(r: redis.Redis | redis.RedisCluster, run_id: str) -> list[str]:
     return sorted(str(k) for k in r.scan_iter(match=f"*{run_id}*", count=1000))
 
 
@@ -62,7 +63,7 @@ def snapshot(client: httpx.Client, run_id: str) -> dict[str, bytes]:
 
 def test_finished_run_leaves_redis_and_is_served_from_its_archive(
         cluster: Cluster, brokers: Stack, tmp_path: Path) -> None:
-    r = redis.Redis.from_url(brokers.env()["RLBOOST_REDIS_URL"], decode_responses=True)
+    r = redis_client(brokers.env()["RLBOOST_REDIS_URL"])
     url = cluster.env["RLBOOST_MANAGER_URL"]
     with httpx.Client(base_url=url, timeout=10) as client:
         run_id = client.post("/v1/runs", json=SPEC).json()["id"]
