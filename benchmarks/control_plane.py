@@ -25,6 +25,9 @@ part 3 went from two passes to ten; the parts' times are printed at the end).
 4. What a replica's ack costs (RLBOOST_REDIS_REPLICA_ACKS=1): the Redis-only bound at the
    largest flush again once a replica follows the Redis, without and with each commit batch
    waiting for it, alternately.
+5. Redis Cluster shards (1, 3) x manager replicas (1, 3), and one plain Redis, each beside its
+   own Redis-only bound (:mod:`benchmarks.control_plane_shards`; ``--only shards`` runs it
+   alone).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,7 @@ import httpx
 import redis
 
 from benchmarks.control_plane_baselines import raw_pass, redis_bound, sink
-from benchmarks.control_plane_fleet import INGEST_SPEC, PUBLISHERS, Frame, Step
+from benchmarks.control_plane_fleet import INGEST_SPEC, PUBLISHERS, Frame
 from benchmarks.control_plane_latency import (
     FLEETS,
     LATENCY_FLUSH,
@@ -52,14 +54,13 @@ from benchmarks.control_plane_latency import (
     latency_pass,
     probe,
 )
+from benchmarks.control_plane_pass import manager_env, manager_pass
 from benchmarks.control_plane_report import KINDS, report
+from benchmarks.control_plane_shards import part_shards, report_shards
 from benchmarks.provenance import printed as provenance_of
 from rlboost.launcher import Child, Cluster
 from rlboost.stack import Server, Stack
-from rollout_svc.engines.emu import EmuEngine
-from shared import protocol as wire
 from shared.bus import connect_nats, connect_redis
-from shared.names import Keys
 from shared.ports import free_port
 from shared.process import exit_on_sigterm
 
@@ -78,48 +79,6 @@ FLUSHES = (4, 16, 64)
 # runs of this bench: one pair is within a pass's own swing here (see GOAL_REPEATS), so the
 # ratio is printed with the spread of its pairs.
 REPLICA_PASSES = 5
-
-
-async def manager_pass(nc: Any, http: httpx.AsyncClient, stack: Stack, tag: str,
-                       paused: Child | None, flush: int) -> dict[str, Any]:
-    """One step of INGEST_SPEC, from registration to the barrier, checked against the oracle;
-    with ``paused`` the manager is stopped while the frames are published."""
-    step = Step(nc, http, tag, PUBLISHERS, PUBLISHERS, int(INGEST_SPEC["max_new_tokens"]))
-    pubs = await step.start()
-    run_id, barrier, total = step.run_id, step.barrier, step.total
-    # In a thread, so the fleet's heartbeats go on at their own phases meanwhile: the ~1 s of
-    # this loop it took held every instance's next beat, and all 32 then came at once, queued
-    # for the resumed manager in front of the first commit (~25 ms of a drained step).
-    msgs = await asyncio.to_thread(
-        lambda: [p.messages(EmuEngine(time_scale=0.0), flush) for p in pubs])
-    if paused is not None:
-        paused.signal(signal.SIGSTOP)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(p.publish(nc.jetstream(), m) for p, m in zip(pubs, msgs, strict=True)))
-    publish_s = time.perf_counter() - t0
-    if paused is not None:
-        paused.signal(signal.SIGCONT)
-        t0 = time.perf_counter()
-    t_end, done = await asyncio.wait_for(barrier, 300)
-    # Exactly once, checked: every response equals the oracle, no chunk was dropped or fenced.
-    # Before the run ends: its keys then leave Redis (RLBOOST_RETENTION_S, part_ingest).
-    by_rid: dict[str, list[int]] = {}
-    for _, data in chain.from_iterable(msgs):
-        for e in wire.decode(data, wire.TokenFrame).entries:
-            by_rid.setdefault(e.request_id, []).extend(e.token_ids)
-    expected = {rid: ",".join(map(str, t)) for rid, t in by_rid.items()}
-    with redis.Redis.from_url(stack.redis.url, decode_responses=True) as r:
-        committed = {rid: r.get(Keys.tokens(rid)) for rid in expected}
-        info = r.hgetall(Keys.step(run_id, 0))
-    await step.finish(pubs)
-    return {"msgs": msgs, "tokens": sum(map(len, by_rid.values())), "responses": total,
-            "seconds": t_end - t0, "publish_s": publish_s, "barrier_tokens": done.digest.tokens,
-            "exact": committed == expected and len(expected) == done.digest.responses == total,
-            "duplicates": int(info.get("duplicate_chunks_dropped", 0)),
-            "stale": int(info.get("stale_chunks_rejected", 0)), "lost": sum(p.lost for p in pubs),
-            "entries": sum(len(m[0]) for m in chain.from_iterable(msgs)),
-            "frames": sum(map(len, msgs)),
-            "bytes": sum(len(m[1]) for m in chain.from_iterable(msgs))}
 
 
 async def rewrite_aof(url: str) -> None:
@@ -148,18 +107,7 @@ def part_ingest(root: Path) -> dict[str, Any]:
         # other, so none of them gets one.
         r.config_set("auto-aof-rewrite-percentage", 0)
     url = f"http://127.0.0.1:{free_port()}"
-    # Leases and instances outlive the paused seconds of the drain pass (config, not code).
-    env = {**stack.env(), "RLBOOST_MANAGER_URL": url, "RLBOOST_DATA_DIR": str(root / "data"),
-           "RLBOOST_LOG_LEVEL": "WARNING", "RLBOOST_LEASE_TTL_S": "30",
-           "RLBOOST_INSTANCE_TTL_S": "30",
-           # Emulated instances generate only what they were first given: an idle one never
-           # generates work moved to it, so rebalancing would stall the step.
-           "RLBOOST_REBALANCE_SKEW": "0",
-           # A pass's run is cancelled once checked, and its keys leave Redis then, not in a
-           # day. A deployment's Redis holds a run's active step and the last finished one;
-           # kept, ~20 steps of 2 M tokens slowed the later passes' Redis by 10-25 % (APPEND
-           # twice as slow), the flush-64 ones most, being last.
-           "RLBOOST_RETENTION_S": "0"}
+    env = manager_env(stack.env(), url, root)
     manager = Child("manager", [sys.executable, "-m", "manager_svc"], env, root / "manager.log")
     cluster = Cluster(root, base_env=env, children=[manager])
 
@@ -185,9 +133,10 @@ def part_ingest(root: Path) -> dict[str, Any]:
                 runs: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
                 for i in range(GOAL_REPEATS.get(flush, REPEATS)):
                     await rewrite_aof(stack.redis.url)
-                    live = await manager_pass(nc, http, stack, f"live{flush}-{i}", None, flush)
-                    drain = await manager_pass(nc, http, stack, f"drain{flush}-{i}", manager,
-                                               flush)
+                    live = await manager_pass(nc, http, stack.redis.url, f"live{flush}-{i}", None,
+                                              flush)
+                    drain = await manager_pass(nc, http, stack.redis.url, f"drain{flush}-{i}",
+                                               manager, flush)
                     raw = await raw_pass(nc, stack.nats.url, live["msgs"])
                     runs["raw"].append({**raw, "tokens": live["tokens"]})
                     runs["bound"].append(await redis_bound(stack.redis.url, live["msgs"]))
@@ -233,7 +182,7 @@ async def replica_passes(nc: Any, http: httpx.AsyncClient, stack: Stack, cluster
             await asyncio.to_thread(stop_child, second)
         await rewrite_aof(stack.redis.url)
         kind = "two" if which == "T" else "one"
-        v = await manager_pass(nc, http, stack, f"{kind}{flush}-{i}", None, flush)
+        v = await manager_pass(nc, http, stack.redis.url, f"{kind}{flush}-{i}", None, flush)
         del v["msgs"]
         runs[kind].append(v)
     await asyncio.to_thread(stop_child, second)
@@ -276,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sink", nargs=2, metavar=("NATS_URL", "COUNT"), help=argparse.SUPPRESS)
     parser.add_argument("--probe", nargs=2, metavar=("NATS_URL", "COUNT"), help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["shards"],
+                        help="run part 5 alone (Redis shards x manager replicas)")
     args = parser.parse_args(argv)
     if args.sink:
         asyncio.run(sink(args.sink[0], int(args.sink[1])))
@@ -287,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rlboost-cp-") as tmp:
         print(f"{provenance()}\nmanager ingest vs raw NATS vs Redis alone; control-plane "
-              f"latency ...", flush=True)
-        out = part_ingest(Path(tmp))
-    ok = report(out)
+              f"latency; Redis shards x manager replicas ...", flush=True)
+        out = None if args.only else part_ingest(Path(tmp) / "ingest")
+        shards = part_shards(Path(tmp) / "shards")
+    ok = (out is None or report(out)) and report_shards(shards)
     print(f"{time.monotonic() - started:.0f} s in all, start-up and shut-down included")
     return 0 if ok else 1
 

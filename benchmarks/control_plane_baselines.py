@@ -66,17 +66,19 @@ async def sink(url: str, count: int) -> None:
 
 
 async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
-                      pipelined: bool = True) -> dict[str, Any]:
+                      pipelined: bool = True, run: str = "") -> dict[str, Any]:
     """The same frames' commit scripts back to back on a fresh step (each response leased to
     the instance that sent it), in stream order and in the largest commits the manager makes
     (GROUP_MAX entries), sent as ingest sends them: on a commit stream, the next commit queued
     in Redis behind the one running (PIPELINED in flight), or with ``pipelined`` False (and
     with replica acks, as ingest then does) one round trip at a time; arguments packed before
     the clock starts.
-    No NATS, no manager, no MAC checks: what Redis alone allows."""
+    No NATS, no manager, no MAC checks: what Redis alone allows. ``run``: the run id to commit
+    under (its hash tag places it on a Redis Cluster's shard); default a fresh one.
+    ``t0``/``t1``: the clock's start and end (perf_counter), for passes run side by side."""
     r = await connect_redis(url)
     ledger = Ledger(r, lease_ttl_s=600, replica_acks=replica_acks)
-    run = f"bound-{secrets.token_hex(3)}"
+    run = run or f"bound-{secrets.token_hex(3)}"
     spec = INGEST_SPEC
     await ledger.create_step(run, 0, 0, prompts(int(spec["prompts_per_step"])),
                              int(spec["samples_per_prompt"]), int(spec["max_new_tokens"]))
@@ -118,7 +120,8 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
         else:
             results = [res for replies in await stream.commit_all(calls, ledger.run_replies)
                        for res in commit_statuses(replies)]
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        seconds = t1 - t0
     finally:
         gc.enable()
     if stream is not None:
@@ -130,5 +133,6 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
     await r.aclose()
     statuses = Counter(results)
     committed = sum(statuses[s] for s in ("ok", "final", "group", "step"))
-    return {"seconds": seconds, "all_committed": committed == len(results), "statuses": statuses,
+    return {"seconds": seconds, "t0": t0, "t1": t1,
+            "all_committed": committed == len(results), "statuses": statuses,
             "tokens": sum(e.n_tokens for f in frames for e in f.entries)}
