@@ -12,6 +12,7 @@ import secrets
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from itertools import zip_longest
 from typing import Any
 
@@ -66,7 +67,8 @@ async def sink(url: str, count: int) -> None:
 
 
 async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
-                      pipelined: bool = True, run: str = "") -> dict[str, Any]:
+                      pipelined: bool = True, run: str = "",
+                      cpu: Callable[[], float] | None = None) -> dict[str, Any]:
     """The same frames' commit scripts back to back on a fresh step (each response leased to
     the instance that sent it), in stream order and in the largest commits the manager makes
     (GROUP_MAX entries), sent as ingest sends them: on a commit stream, the next commit queued
@@ -75,7 +77,9 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
     the clock starts.
     No NATS, no manager, no MAC checks: what Redis alone allows. ``run``: the run id to commit
     under (its hash tag places it on a Redis Cluster's shard); default a fresh one.
-    ``t0``/``t1``: the clock's start and end (perf_counter), for passes run side by side."""
+    ``t0``/``t1``: the clock's start and end (perf_counter), for passes run side by side;
+    ``cpu``: read (the CPU seconds of the Redis the run is on) right before the clock starts and
+    right after it stops, their difference returned as ``redis_cpu_s``."""
     r = await connect_redis(url)
     ledger = Ledger(r, lease_ttl_s=600, replica_acks=replica_acks)
     run = run or f"bound-{secrets.token_hex(3)}"
@@ -112,6 +116,7 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
         await stream.ready([call.script for call in calls[0]])
     gc.collect()
     gc.disable()
+    cpu0 = cpu() if cpu is not None else 0.0
     try:
         t0 = time.perf_counter()
         if stream is None:
@@ -124,6 +129,7 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
         seconds = t1 - t0
     finally:
         gc.enable()
+    cpu_s = cpu() - cpu0 if cpu is not None else 0.0
     if stream is not None:
         await stream.close()
     # Gone again, as the manager's passes are once their run ends.
@@ -133,6 +139,6 @@ async def redis_bound(url: str, msgs: list[list[Frame]], replica_acks: int = 0,
     await r.aclose()
     statuses = Counter(results)
     committed = sum(statuses[s] for s in ("ok", "final", "group", "step"))
-    return {"seconds": seconds, "t0": t0, "t1": t1,
+    return {"seconds": seconds, "t0": t0, "t1": t1, "redis_cpu_s": cpu_s,
             "all_committed": committed == len(results), "statuses": statuses,
             "tokens": sum(e.n_tokens for f in frames for e in f.entries)}
