@@ -21,7 +21,6 @@ import base64
 import hashlib
 import json
 import re
-import time
 import uuid
 from pathlib import Path
 
@@ -57,7 +56,6 @@ from shared.protocol import (
 from shared.spec import RunSpec
 from tests.support.redis_cluster import RedisClusterNodes, SlotAudit
 
-_ARG = re.compile(rb'"((?:[^"\\]|\\.)*)"')  # one quoted argument of a MONITOR line
 _TAG = re.compile(r"\{[^}]*\}")
 
 
@@ -73,29 +71,11 @@ def script_shas() -> dict[str, str]:
 def shas_by_tag(audit: SlotAudit) -> dict[str, set[str]]:
     """The SHA1s run by EVALSHA with a declared key of each hash tag ("{rlb}", a run's)."""
     found: dict[str, set[str]] = {}
-    for lines in audit.lines.values():
-        for line in list(lines):
-            if b'"EVALSHA"' not in line.upper():
-                continue
-            args = _ARG.findall(line)
-            for key in args[3:3 + int(args[2])]:
-                m = _TAG.search(key.decode())
-                found.setdefault(m.group() if m else key.decode(), set()).add(
-                    args[1].decode().lower())
+    for sha, keys in audit.evalsha_calls():
+        for key in keys:
+            m = _TAG.search(key.decode())
+            found.setdefault(m.group() if m else key.decode(), set()).add(sha)
     return found
-
-
-def drain(audit: SlotAudit, nodes: RedisClusterNodes) -> None:
-    """Wait until each node's MONITOR feed shows a marker sent after the last script: the feed
-    reaches the audit's threads asynchronously, and a late line would go unchecked."""
-    marker = f"audit-end-{uuid.uuid4().hex}".encode()
-    for port in nodes.ports:
-        with nodes.client(port) as node:
-            node.echo(marker)
-    end = time.monotonic() + 10
-    while not all(any(marker in line for line in audit.lines[p][-200:]) for p in nodes.ports):
-        assert time.monotonic() < end, "a node's MONITOR feed did not catch up"
-        time.sleep(0.05)
 
 
 def login(name: str, password: str) -> identity.AuthRequest:
@@ -212,7 +192,7 @@ async def test_every_script_reaches_one_slot_on_a_cluster(brokers: Stack,
             assert await callout.check(login("login-1", "pw")) is None
             refused = await callout.check(login("login-2", "pw"))
             assert refused is not None and "live instances" in refused
-            drain(audit, nodes)
+            audit.settle(nodes.client)
         finally:
             audit.stop()
             await nc.close()

@@ -83,11 +83,11 @@ def is_rollout(child: Child) -> bool:
 
 
 class Injector:
-    def __init__(self, cluster: Cluster, brokers: Stack, links: Links, seed: int,
+    def __init__(self, cluster: Cluster, brokers: Stack, links: Links | None, seed: int,
                  interval_s: float, stall_bound_s: float) -> None:
         self.cluster = cluster
         self.brokers = brokers
-        self.links = links
+        self.links = links  # None: no process's links are proxied, no link fault is drawn
         self.rng = random.Random(seed)
         self.interval_s = interval_s
         self.stall_bound_s = stall_bound_s  # lease TTL + grace: the longest wait a heal allows
@@ -213,7 +213,7 @@ class Injector:
         found = []
         for child in self.cluster.children:
             mine = child.name == role if role != "rollout" else is_rollout(child)
-            link = self.links.of(child.name).get(which)
+            link = self.links.of(child.name).get(which) if self.links is not None else None
             if mine and child.alive() and link is not None and link.live() > 0:
                 found.append(link)
         return found
@@ -275,7 +275,8 @@ class Injector:
         if len(spot) < 2:
             return False
         cut_off = self.rng.sample(spot, len(spot) // 2)
-        links = [ln for c in cut_off for ln in self.links.of(c.name).values()]
+        links = [ln for c in cut_off if self.links is not None
+                 for ln in self.links.of(c.name).values()]
         if not any(ln.live() for ln in links):
             return False
         busy = {str(i["id"]) for i in self._instances() if i.get("held", 0) > 0}

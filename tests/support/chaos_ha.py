@@ -21,7 +21,6 @@ from rlboost.launcher import Cluster
 from shared.names import Keys
 from shared.ports import wait_port
 from tests.support.chaos import Injector, hit
-from tests.support.links import Links
 
 # Each redis_failover waits this long at most for a replica to take the slots over.
 FAILOVER_S = 30.0
@@ -29,7 +28,7 @@ FAILOVER_S = 30.0
 
 class HaInjector(Injector):
     def __init__(self, cluster: Cluster, ha: HaStack, seed: int, interval_s: float) -> None:
-        super().__init__(cluster, ha, Links(), seed, interval_s,  # type: ignore[arg-type]
+        super().__init__(cluster, ha, None, seed, interval_s,  # type: ignore[arg-type]
                          stall_bound_s=0.0)
         self.ha = ha
         self.failovers: list[float] = []  # seconds from a primary's kill to its successor
@@ -83,10 +82,6 @@ class HaInjector(Injector):
             ("redis_failover", self.redis_failover, 0.3),
             ("nats_node_kill", self.nats_node_kill, 0.25),
         ]
-
-    def stop(self) -> None:
-        super().stop()
-        self.links.close()  # no link of this campaign's goes through it: only its hub
 
     def _draw(self, kinds: list[tuple[str, Callable[[], bool], float]]
               ) -> tuple[str, Callable[[], bool], float]:

@@ -18,6 +18,9 @@ import contextlib
 import re
 import socket
 import threading
+import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -99,16 +102,34 @@ class SlotAudit:
                 found.append((port, run))
         return found
 
-    def evalshas(self) -> set[str]:
-        """The SHA1 of every script a client ran (EVALSHA) on any node."""
-        found: set[str] = set()
+    def evalsha_calls(self) -> list[tuple[str, list[bytes]]]:
+        """Every script a client ran by SHA1 (EVALSHA) on any node: (SHA1, its declared keys)."""
+        found: list[tuple[str, list[bytes]]] = []
         for lines in self.lines.values():
-            for line in lines:
+            for line in list(lines):
                 if b'"EVALSHA"' in line.upper():
                     args = _ARG.findall(line)
-                    if len(args) > 1:
-                        found.add(args[1].decode().lower())
+                    if len(args) > 2:
+                        found.append((args[1].decode().lower(),
+                                      [_unescape(k) for k in args[3:3 + int(args[2])]]))
         return found
+
+    def evalshas(self) -> set[str]:
+        """The SHA1 of every script a client ran (EVALSHA) on any node."""
+        return {sha for sha, _ in self.evalsha_calls()}
+
+    def settle(self, client: Callable[[int], redis.Redis]) -> None:
+        """Until each node's MONITOR feed shows a marker sent now (``client``: a client of the
+        node on a port): the feed reaches the audit's threads asynchronously, and a line still
+        on its way would go unchecked."""
+        marker = f"audit-end-{uuid.uuid4().hex}".encode()
+        for port in self.ports:
+            with client(port) as node:
+                node.echo(marker)
+        end = time.monotonic() + 10
+        while not all(any(marker in line for line in self.lines[p][-200:]) for p in self.ports):
+            assert time.monotonic() < end, "a node's MONITOR feed did not catch up"
+            time.sleep(0.05)
 
     def violations(self) -> tuple[int, int, list[tuple[int, set[int], list[list[bytes]]]]]:
         """(script executions seen, commands they ran, the executions that reached more

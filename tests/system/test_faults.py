@@ -84,6 +84,15 @@ def oracle_logprobs(spec: dict[str, Any], sample: dict[str, Any], step: int) -> 
         EmuEngine.logprob_at(req, i, t) for i, t in enumerate(sample["response_token_ids"])]))
 
 
+def fault_free(client: httpx.Client, cluster: Cluster, spec: dict[str, Any]
+               ) -> tuple[str, dict[int, list[dict[str, Any]]]]:
+    """A run of ``spec`` with no fault, succeeded and holding invariants 1-3: its id, and its
+    samples by step (what a faulted run must equal)."""
+    run_id = client.post("/v1/runs", json=spec).json()["id"]
+    assert wait_run(client, run_id, 240, cluster)["state"] == "succeeded"
+    return run_id, check_run(client, run_id, spec, REWARD)
+
+
 def assert_equals_clean(client: httpx.Client, run_id: str, spec: dict[str, Any],
                         clean: dict[int, list[dict[str, Any]]]) -> None:
     """Invariants 1-3 for a faulted run, and invariant 5: every sample equal, token for token,
@@ -188,10 +197,7 @@ def test_faulted_run_equals_fault_free_run(cluster: Cluster, brokers: Stack,
     url = cluster.env["RLBOOST_MANAGER_URL"]
     port = int(url.rsplit(":", 1)[1])
     with httpx.Client(base_url=url, timeout=10) as client:
-        clean_id = client.post("/v1/runs", json=SPEC).json()["id"]
-        assert wait_run(client, clean_id, 240, cluster)["state"] == "succeeded"
-        clean = check_run(client, clean_id, SPEC, REWARD)
-
+        clean_id, clean = fault_free(client, cluster, SPEC)
         injector = Injector(cluster, brokers, links, seed=7, interval_s=0.6,
                             stall_bound_s=STALL_BOUND_S)
         injector.start()

@@ -29,12 +29,11 @@ from rlboost.launcher import Cluster
 from shared.ports import wait_port
 from tests.support.chaos_ha import HaInjector
 from tests.support.cluster import running, start_cluster, wait_run
-from tests.support.invariants import check_run
 from tests.system.test_faults import (
     FAST,
     PROGRESS_TIMEOUT_S,
-    REWARD,
     assert_equals_clean,
+    fault_free,
     run_under_faults,
 )
 
@@ -74,9 +73,7 @@ def test_faulted_runs_on_clustered_brokers_equal_the_fault_free_run(
     url = cluster.env["RLBOOST_MANAGER_URL"]
     port = int(url.rsplit(":", 1)[1])
     with httpx.Client(base_url=url, timeout=10) as client:
-        clean_id = client.post("/v1/runs", json=SPEC).json()["id"]
-        assert wait_run(client, clean_id, 240, cluster)["state"] == "succeeded"
-        clean = check_run(client, clean_id, SPEC, REWARD)
+        _, clean = fault_free(client, cluster, SPEC)
 
         injector = HaInjector(cluster, ha, seed=11, interval_s=1.5)
         injector.start()
